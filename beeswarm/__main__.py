@@ -1,0 +1,3 @@
+from beeswarm.cli import main
+
+raise SystemExit(main())

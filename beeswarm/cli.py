@@ -1,0 +1,121 @@
+"""The `beeswarm` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import beeswarm
+
+log = logging.getLogger("beeswarm")
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed without a traceback, exit status 2."""
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (default: sample)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T")
+    p.add_argument("--top-p", type=float, default=0.95, metavar="P")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+
+
+def _sampling(args):
+    from beeswarm.client.sampling import SamplingParams
+
+    try:
+        return SamplingParams(0.0 if args.greedy else args.temperature, 1.0 if args.greedy else args.top_p, args.seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_demo(args) -> int:
+    """Generate with the whole model chained through three spans in this process."""
+    from transformers import AutoTokenizer
+
+    from beeswarm.client.generate import generate
+    from beeswarm.client.local import LocalPipeline
+    from beeswarm.client.textstream import TextStream
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    params = _sampling(args)
+    pipeline = LocalPipeline(args.model, stages=3, dtype=args.dtype, device=args.device)
+    tokenizer = AutoTokenizer.from_pretrained(str(pipeline.folder))
+    log.info("demo: %s in %d spans: %s", args.model, len(pipeline.spans),
+             ", ".join(f"[{s.span.start}, {s.span.end})" for s in pipeline.spans))
+
+    def run(prompt: str) -> dict:
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise UserError("the prompt is empty")
+        needed = len(ids) + args.max_new_tokens
+        if needed > pipeline.max_length:
+            raise UserError(f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds the model's "
+                            f"{pipeline.max_length}-token context")
+        stream = TextStream(tokenizer)
+        echo = (lambda t: print(stream.push(t), end="", flush=True)) if not args.json else stream.push
+        session = pipeline.open(needed)
+        try:
+            out = generate(lambda tok, start: pipeline.forward(session, tok, start), ids, args.max_new_tokens,
+                           params, stop_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+                           on_token=echo)
+        finally:
+            pipeline.close(session)
+        return {"text": stream.text, "tokens": out.tokens, "new_tokens": len(out.tokens),
+                "seconds": round(out.seconds, 4), "tokens_per_s": round(out.tokens_per_s, 2),
+                "ttft_s": round(out.ttft_s, 4)}
+
+    if args.prompt is not None:
+        result = run(args.prompt)
+        print(json.dumps(result) if args.json else "")
+        return 0
+    if not sys.stdin.isatty():
+        raise UserError("give --prompt TEXT (reading prompts line by line needs a terminal)")
+    print(f"beeswarm demo: {args.model}, {len(pipeline.spans)} spans. One prompt per line; Ctrl-D leaves.",
+          file=sys.stderr)
+    for line in sys.stdin:
+        if line.strip():
+            print(line.rstrip("\n"), end="", flush=True)
+            result = run(line.rstrip("\n"))
+            print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="beeswarm", description="Run one large language model across volunteer machines.")
+    parser.add_argument("--version", action="version", version=f"beeswarm {beeswarm.__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("BEESWARM_LOG_LEVEL", "WARNING"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log detail on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    demo = sub.add_parser("demo", help="generate text with the whole model on this machine")
+    demo.add_argument("--model", default="tinycode", help="built-in name, checkpoint folder or hub id (org/name)")
+    demo.add_argument("--prompt", default=None, help="generate once for TEXT (default: read prompts line by line)")
+    _add_sampling(demo)
+    demo.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    demo.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from beeswarm.shard.errors import ShardError
+
+    try:
+        return args.func(args)
+    except (UserError, ShardError) as e:
+        print(f"beeswarm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""Inference sessions: the generation loop, sampling, and (later) routes through the swarm."""

@@ -1,0 +1,51 @@
+"""The generation loop over any forward function: prefill, then one token per step."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from beeswarm.client.sampling import SamplingParams, sample
+
+# (new token ids (q,), start position) -> logits (q, vocab) for those tokens
+Forward = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    prompt_tokens: int
+    ttft_s: float
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+def generate(forward: Forward, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+             stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None) -> Generation:
+    """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop id (kept in the output)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    stop = set(stop_ids)
+    tokens: list[int] = []
+    t0 = time.perf_counter()
+    ttft = 0.0
+    pending, start = torch.tensor(prompt_ids), 0
+    while len(tokens) < max_new_tokens:
+        logits = forward(pending, start)
+        token = sample(logits[-1], params, generator)
+        if not tokens:
+            ttft = time.perf_counter() - t0
+        tokens.append(token)
+        if on_token:
+            on_token(token)
+        if token in stop:
+            break
+        start += len(pending)
+        pending = torch.tensor([token])
+    return Generation(tokens, len(prompt_ids), ttft, time.perf_counter() - t0)

@@ -1,0 +1,22 @@
+"""Turn a growing list of token ids into text deltas, holding back half-formed UTF-8 characters."""
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = 0
+
+    def push(self, token: int) -> str:
+        """Add a token; return the text that is now complete and not yet returned."""
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return ""
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)

@@ -1,0 +1,1 @@
+"""Planning who hosts which layers."""

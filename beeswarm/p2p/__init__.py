@@ -1,0 +1,1 @@
+"""The peer-to-peer mesh on py-libp2p (not yet built: see README status)."""

@@ -1,0 +1,31 @@
+"""The entry's part of the model: token ids -> embeddings, and hidden -> final norm -> logits."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from beeswarm.shard import checkpoint, loader
+from beeswarm.shard.device import resolve_device, resolve_dtype
+
+
+class EntryModel:
+    def __init__(self, folder: Path, dtype="auto", device="auto"):
+        self.folder = Path(folder)
+        self.config = loader.load_config(self.folder)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.embedding, self.norm, self.lm_head = loader.build_entry_parts(self.folder, self.config, self.dtype,
+                                                                          self.device)
+
+    @classmethod
+    def load(cls, ref: str, dtype="auto", device="auto") -> EntryModel:
+        return cls(checkpoint.resolve(ref, checkpoint.Parts(embed=True, head=True)), dtype, device)
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(token_ids.to(self.device))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden.to(device=self.device, dtype=self.dtype))).float()

@@ -1,0 +1,65 @@
+"""Build a span's modules: skeleton on the meta device, then only the span's tensors materialized."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from beeswarm.shard import checkpoint
+from beeswarm.shard.errors import ShardError
+from beeswarm.shard.families import family
+
+log = logging.getLogger(__name__)
+
+
+def load_config(folder: Path):
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ShardError(f"{folder}: cannot read config.json ({e})") from None
+    family(config)  # fail early, naming the supported architectures
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _materialize(module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], dtype, device) -> nn.Module:
+    state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def build_layers(folder: Path, config, start: int, end: int, dtype, device) -> nn.ModuleList:
+    """transformers decoder layers [start, end) holding only their own weights."""
+    if not 0 <= start < end <= config.num_hidden_layers:
+        raise ShardError(f"span [{start}, {end}) is out of range: the model has layers [0, {config.num_hidden_layers})")
+    cls = family(config).decoder_layer
+    with torch.device("meta"):
+        layers = [cls(config, layer_idx=i) for i in range(start, end)]
+    names = [f"model.layers.{i}.{k}" for i, layer in zip(range(start, end), layers) for k in layer.state_dict()]
+    tensors = checkpoint.read_tensors(folder, checkpoint.weight_map(folder), names)
+    log.info("loaded layers [%d, %d) of %s: %d tensors", start, end, folder, len(tensors))
+    return nn.ModuleList(_materialize(layer, f"model.layers.{i}.", tensors, dtype, device)
+                         for i, layer in zip(range(start, end), layers))
+
+
+def build_entry_parts(folder: Path, config, dtype, device) -> tuple[nn.Embedding, nn.Module, nn.Linear]:
+    """Embedding, final norm and LM head (tied to the embedding when the config says so)."""
+    fam = family(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    tensors = checkpoint.read_tensors(folder, checkpoint.weight_map(folder), names)
+    with torch.device("meta"):
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        norm = fam.rms_norm(config.hidden_size, eps=config.rms_norm_eps)
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    embed = _materialize(embed, "model.embed_tokens.", tensors, dtype, device)
+    norm = _materialize(norm, "model.norm.", tensors, dtype, device)
+    if tied:
+        head.weight = embed.weight
+        head = head.to(device=device)
+    else:
+        head = _materialize(head, "lm_head.", tensors, dtype, device)
+    return embed, norm, head

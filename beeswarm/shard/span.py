@@ -1,0 +1,191 @@
+"""Run a span of decoder layers for many sessions: batched steps, rollback, tree masks, keep."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from beeswarm.shard import checkpoint, loader
+from beeswarm.shard.device import resolve_device, resolve_dtype
+from beeswarm.shard.errors import SessionError, ShardError
+from beeswarm.shard.families import family, sliding_window
+from beeswarm.shard.kvcache import SessionKV, StepCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Layers [start, end) of a model (half-open)."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ShardError(f"span [{self.start}, {self.end}) is empty or negative")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One session's part of a batched step.
+
+    hidden: (q, hidden_size). start: position of the first token; the cache is truncated to it first.
+    tree_mask: optional (q, q) bool, row j may attend to column j' (its ancestors and itself); the
+    positions of tree tokens are start + depth. Without a mask the q tokens are a causal chain.
+    """
+
+    session_id: str
+    hidden: torch.Tensor
+    start: int
+    tree_mask: torch.Tensor | None = None
+
+
+def tree_positions(tree_mask: torch.Tensor) -> torch.Tensor:
+    """Depth of every tree node: the number of its ancestors."""
+    return tree_mask.sum(dim=1) - 1
+
+
+def attention_mask(inputs: list[StepInput], kv_length: int, window: int | None, dtype, device) -> torch.Tensor:
+    """Additive mask (rows, 1, q_max, kv_length): 0 where a query may attend, the dtype's minimum elsewhere."""
+    q_max = max(x.hidden.shape[0] for x in inputs)
+    allowed = torch.zeros(len(inputs), q_max, kv_length, dtype=torch.bool, device=device)
+    for row, x in enumerate(inputs):
+        q = x.hidden.shape[0]
+        allowed[row, :q, :x.start] = True
+        own = x.tree_mask.to(device) if x.tree_mask is not None else \
+            torch.ones(q, q, dtype=torch.bool, device=device).tril()
+        allowed[row, :q, x.start:x.start + q] = own
+        if window is not None:
+            query_pos = x.start + (tree_positions(own) if x.tree_mask is not None else torch.arange(q, device=device))
+            key_pos = torch.arange(kv_length, device=device)
+            allowed[row, :q] &= key_pos[None, :] > query_pos[:, None] - window
+        allowed[row, q:, 0] = True  # padding rows: attend somewhere so softmax stays finite
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+class SpanRuntime:
+    """Layers [start, end) of a checkpoint, with per-session KV caches. Thread-safe."""
+
+    def __init__(self, folder: Path, span: Span, dtype="auto", device="auto"):
+        self.folder = Path(folder)
+        self.config = loader.load_config(self.folder)
+        self.span = span
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.layers = loader.build_layers(self.folder, self.config, span.start, span.end, self.dtype, self.device)
+        self.rotary = family(self.config).rotary_embedding(self.config).to(self.device)
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.windows = [sliding_window(self.config, i) for i in range(span.start, span.end)]
+        self.sessions: dict[str, SessionKV] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, ref: str, span: Span, dtype="auto", device="auto") -> SpanRuntime:
+        folder = checkpoint.resolve(ref, checkpoint.Parts(span.start, span.end))
+        return cls(folder, span, dtype, device)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def kv_bytes(self, max_length: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.span) * self.config.num_key_value_heads * max_length * self.head_dim * element
+
+    # sessions -------------------------------------------------------------------------------------
+    def open(self, session_id: str, max_length: int) -> None:
+        limit = self.config.max_position_embeddings
+        if not 0 < max_length <= limit:
+            raise SessionError(f"max_length {max_length} is outside 1..{limit} (the model's context)")
+        with self._lock:
+            if session_id in self.sessions:
+                raise SessionError(f"session {session_id!r} is already open")
+            try:
+                kv = SessionKV.allocate(len(self.span), self.config.num_key_value_heads, max_length, self.head_dim,
+                                        self.dtype, self.device)
+            except (RuntimeError, MemoryError) as e:  # torch raises OutOfMemoryError (a RuntimeError)
+                raise SessionError(f"no memory for a session of {max_length} tokens ({self.kv_bytes(max_length)} bytes)") from e
+            self.sessions[session_id] = kv
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions.pop(session_id, None)
+
+    def keep(self, session_id: str, start: int, indices: list[int]) -> None:
+        """After verification: keep tree nodes `indices` (relative to `start`) as positions start, start+1, ..."""
+        kv = self._session(session_id)
+        if not 0 <= start <= kv.length or any(not 0 <= i < kv.length - start for i in indices):
+            raise SessionError(f"keep: indices {indices} from {start} fall outside the cached {kv.length} tokens")
+        kv.keep(start, indices)
+
+    def length(self, session_id: str) -> int:
+        return self._session(session_id).length
+
+    def _session(self, session_id: str) -> SessionKV:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise SessionError(f"unknown session {session_id!r}") from None
+
+    # compute --------------------------------------------------------------------------------------
+    def _check(self, x: StepInput, kv: SessionKV) -> None:
+        q = x.hidden.shape[0] if x.hidden.dim() == 2 else -1
+        if x.hidden.dim() != 2 or x.hidden.shape[1] != self.hidden_size or q < 1:
+            raise SessionError(f"hidden: shape {tuple(x.hidden.shape)}, expected (tokens>=1, {self.hidden_size})")
+        if not 0 <= x.start <= kv.length:
+            raise SessionError(f"start {x.start} is past the {kv.length} cached tokens of {x.session_id!r}")
+        if x.start + q > kv.max_length:
+            raise SessionError(f"step reaches position {x.start + q}, past max_length {kv.max_length}")
+        if x.tree_mask is not None:
+            m = x.tree_mask
+            if m.shape != (q, q) or m.dtype != torch.bool or not bool(m.diagonal().all()) or bool(m.triu(1).any()):
+                raise SessionError("tree_mask: expected a (tokens, tokens) bool lower-triangular mask with a true diagonal")
+
+    @torch.inference_mode()
+    def step(self, inputs: list[StepInput]) -> list[torch.Tensor]:
+        """Run one batched step; returns each input's output hidden states (q, hidden_size)."""
+        if not inputs:
+            return []
+        if len({x.session_id for x in inputs}) != len(inputs):
+            raise SessionError("a session appears twice in one step")
+        with self._lock:
+            sessions = [self._session(x.session_id) for x in inputs]
+            for x, kv in zip(inputs, sessions):
+                self._check(x, kv)
+            return self._run(inputs, sessions)
+
+    def step_one(self, session_id: str, hidden: torch.Tensor, start: int,
+                 tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.step([StepInput(session_id, hidden, start, tree_mask)])[0]
+
+    def _run(self, inputs: list[StepInput], sessions: list[SessionKV]) -> list[torch.Tensor]:
+        lengths = [x.hidden.shape[0] for x in inputs]
+        q_max = max(lengths)
+        hidden = torch.zeros(len(inputs), q_max, self.hidden_size, dtype=self.dtype, device=self.device)
+        positions = torch.zeros(len(inputs), q_max, dtype=torch.long, device=self.device)
+        for row, x in enumerate(inputs):
+            q = lengths[row]
+            hidden[row, :q] = x.hidden.to(device=self.device, dtype=self.dtype)
+            depth = tree_positions(x.tree_mask.to(self.device)) if x.tree_mask is not None else \
+                torch.arange(q, device=self.device)
+            positions[row, :q] = x.start + depth
+        for kv, x in zip(sessions, inputs):
+            kv.length = x.start  # rollback: whatever lay past start is overwritten
+        cache = StepCache(sessions, [x.start for x in inputs], lengths, self.span.start)
+        masks = {w: attention_mask(inputs, cache.kv_length, w, self.dtype, self.device) for w in set(self.windows)}
+        rotary = self.rotary(hidden, positions)
+        for layer, window in zip(self.layers, self.windows):
+            hidden = layer(hidden, attention_mask=masks[window], position_ids=positions, cache=cache,
+                           position_embeddings=rotary)
+        for kv, end in zip(sessions, cache.ends):
+            kv.length = end
+        return [hidden[row, :q] for row, q in enumerate(lengths)]

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees, verification, tuning (not yet built: see README status)."""

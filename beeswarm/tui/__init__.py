@@ -1,0 +1,1 @@
+"""Textual apps (not yet built: see README status)."""
