@@ -71,7 +71,7 @@ def val_loss(model, data: torch.Tensor, batches: int = 40, batch: int = 8) -> fl
     losses = []
     for i in range(0, len(starts), batch):
         x = torch.stack([data[s:s + SEQ + 1] for s in starts[i:i + batch]])
-        losses.append(model(input_ids=x[:, :-1], labels=x[:, 1:].clone()).loss.item())
+        losses.append(model(input_ids=x[:, :-1], labels=x[:, :-1]).loss.item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -86,14 +86,14 @@ def train(name: str, shape: dict, data: torch.Tensor, steps: int, seed: int, lr:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
     gen = torch.Generator().manual_seed(seed)
     warmup, t0 = 50, time.time()
-    for step in range(steps):
+    for step in range(steps):  # transformers shifts the labels itself: labels are the inputs
         # Linear warm-up, then cosine decay to 5% of the peak rate.
         scale = min(1.0, (step + 1) / warmup) * max(0.05, 0.5 * (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
             g["lr"] = lr * scale
         starts = torch.randint(0, len(data) - SEQ - 1, (batch,), generator=gen)
         x = torch.stack([data[s:s + SEQ + 1] for s in starts.tolist()])
-        loss = model(input_ids=x[:, :-1], labels=x[:, 1:].clone()).loss
+        loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

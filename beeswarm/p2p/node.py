@@ -1,0 +1,670 @@
+"""A py-libp2p host in its own trio thread, behind a small thread-safe API.
+
+py-libp2p is trio-only while torch workers and Textual live elsewhere, so the node runs trio in a
+thread of its own and every public method may be called from any thread (`a*` variants await from
+asyncio). Transport: TCP + Noise (only) + Yamux, one connection per peer. Every stream's reader
+drains into our own buffers so slow compute never stalls a yamux window (py-libp2p resets a
+writer that waits more than 5 s for one).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import INotifee
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+from beeswarm.p2p import auth, wire
+from beeswarm.p2p.bans import BanList
+from beeswarm.p2p.identity import Identity
+
+log = logging.getLogger(__name__)
+
+GOSSIPSUB = TProtocol("/meshsub/1.0.0")
+AUTH_TIMEOUT_S = 2.0
+REQUEST_READ_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 2.0
+CHANNEL_BUFFER_LIMIT = 1024 * 1024 * 1024
+
+
+class NodeError(Exception):
+    """The node cannot do what was asked (not started, bad address, peer unreachable)."""
+
+
+class PeerUnavailable(NodeError):
+    """The peer could not be reached, or the stream to it broke."""
+
+
+class ChannelClosed(NodeError):
+    """The channel was closed by either side or its connection broke."""
+
+
+@dataclass
+class NodeConfig:
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce: list[str] = field(default_factory=list)
+    bootstrap: list[str] = field(default_factory=list)
+    swarm: str = "beeswarm"
+    secret: bytes | None = None  # None: an open swarm
+    max_tensor_bytes: int = wire.TENSOR_LIMIT
+
+
+Handler = Callable[[str, dict], Any]  # (peer id, message) -> reply message; sync runs in a worker thread
+
+
+class Channel:
+    """A long-lived duplex stream of frames to one peer. `send`/`recv` may be called from any thread."""
+
+    def __init__(self, node: Node, stream, peer: str, protocol: str, limit: int):
+        self.node, self.peer, self.protocol, self.limit = node, peer, protocol, limit
+        self._stream = stream
+        self._frames: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._cond = threading.Condition()
+        self._closed: str | None = None
+        self._send_lock = trio.Lock()
+
+    # trio side --------------------------------------------------------------------------------
+    async def _reader(self) -> None:
+        try:
+            while True:
+                body = await wire.read_frame(self._stream, self.limit)
+                with self._cond:
+                    if self._buffered + len(body) > CHANNEL_BUFFER_LIMIT:
+                        raise wire.ProtocolError("peer outran the channel buffer")
+                    self._frames.append(body)
+                    self._buffered += len(body)
+                    self._cond.notify_all()
+        except wire.ProtocolError as e:
+            if "stream ended" not in str(e):
+                self.node._strike(self.peer, f"{self.protocol}: {e}")
+            self._mark_closed(str(e))
+        except Exception as e:  # noqa: BLE001 - resets, EOF, connection loss
+            self._mark_closed(f"{type(e).__name__}: {e}")
+        finally:
+            with trio.CancelScope(shield=True):
+                await _quiet_reset(self._stream)
+
+    async def _send(self, body: bytes) -> None:
+        async with self._send_lock:
+            await wire.write_frame(self._stream, body)
+
+    def _mark_closed(self, why: str) -> None:
+        with self._cond:
+            if self._closed is None:
+                self._closed = why or "closed"
+            self._cond.notify_all()
+
+    # any thread -------------------------------------------------------------------------------
+    def send(self, body: bytes, timeout: float = 60.0) -> None:
+        if self._closed is not None:
+            raise ChannelClosed(f"channel to {self.peer} is closed: {self._closed}")
+        if len(body) > self.limit:
+            raise NodeError(f"frame of {len(body)} bytes exceeds the channel's {self.limit}-byte limit")
+        try:
+            self.node._run(self._send_with_timeout, body, timeout)
+        except (wire.ProtocolError, PeerUnavailable, TimeoutError) as e:
+            self._mark_closed(str(e))
+            raise ChannelClosed(f"channel to {self.peer} broke: {e}") from None
+
+    async def _send_with_timeout(self, body: bytes, timeout: float) -> None:
+        try:
+            with trio.fail_after(timeout):
+                await self._send(body)
+        except trio.TooSlowError:
+            raise TimeoutError(f"send to {self.peer} took over {timeout} s") from None
+        except Exception as e:  # noqa: BLE001 - stream errors of many kinds
+            raise PeerUnavailable(f"{type(e).__name__}: {e}") from None
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._frames:
+                if self._closed is not None:
+                    raise ChannelClosed(f"channel to {self.peer} is closed: {self._closed}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
+                self._cond.wait(left)
+            body = self._frames.popleft()
+            self._buffered -= len(body)
+            return body
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None and not self._frames
+
+    def close(self) -> None:
+        self._mark_closed("closed locally")
+        try:
+            self.node._run(_quiet_reset, self._stream)
+        except NodeError:
+            pass
+
+
+async def _quiet_reset(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+class _ConnectionWatcher(INotifee):
+    def __init__(self, node: Node):
+        self.node = node
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def connected(self, network, conn) -> None:
+        self.node._on_connected(str(conn.muxed_conn.peer_id))
+
+    async def disconnected(self, network, conn) -> None:
+        self.node._on_disconnected(str(conn.muxed_conn.peer_id))
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
+
+class Node:
+    """One beeswarm peer on the libp2p mesh."""
+
+    def __init__(self, identity: Identity, config: NodeConfig | None = None, bans: BanList | None = None):
+        self.identity = identity
+        self.config = config or NodeConfig()
+        self.bans = bans or BanList()
+        self.peer_id = identity.peer_id
+        self._handlers: dict[str, Callable] = {}
+        self._subscriptions: list[tuple[str, Callable[[str, dict], None]]] = []
+        self._tasks: list[Callable] = []
+        self._authed: dict[str, trio.Event] = {}
+        self._mac_key = auth.mac_key(self.config.secret) if self.config.secret else None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: trio.Event | None = None
+        self._nursery: trio.Nursery | None = None
+        self._host = None
+        self._pubsub: Pubsub | None = None
+        self.on_peer_connected: list[Callable[[str], None]] = []
+        self.on_peer_disconnected: list[Callable[[str], None]] = []
+
+    @property
+    def private(self) -> bool:
+        return self._mac_key is not None
+
+    # lifecycle --------------------------------------------------------------------------------
+    def start(self, timeout: float = 20.0) -> Node:
+        if self._thread is not None:
+            raise NodeError("node already started")
+        self._thread = threading.Thread(target=self._thread_main, name=f"p2p-{self.peer_id[-6:]}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise NodeError(f"node did not start within {timeout} s")
+        if self._error is not None:
+            raise NodeError(f"node failed to start: {self._error}") from self._error
+        return self
+
+    def stop(self) -> None:
+        """Close every connection and end the node's thread (within about 2 s)."""
+        if self._thread is None:
+            return
+        if self._token is not None and self._stop is not None:
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(STOP_TIMEOUT_S + 1)
+        if self._thread.is_alive():
+            log.warning("p2p thread of %s did not end in time", self.peer_id)
+
+    def __enter__(self) -> Node:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as e:  # noqa: BLE001 - report, never crash the process
+            if not self._ready.is_set():
+                self._error = e
+            else:
+                log.exception("p2p node %s stopped on an error", self.peer_id)
+        finally:
+            if self._pubsub is not None:
+                self._pubsub.seen_messages.stop()  # py-libp2p's cache sweeper thread
+            self._ready.set()
+
+    def _new_host(self):
+        kp = self.identity.key_pair
+        noise = NoiseTransport(kp, noise_privkey=new_x25519_key_pair().private_key)
+        return new_host(
+            key_pair=kp,
+            sec_opt={NOISE_PROTOCOL_ID: noise},  # the default also accepts plaintext peers
+            muxer_preference="YAMUX",
+            connection_config=ConnectionConfig(max_connections_per_peer=1),
+            announce_addrs=[multiaddr.Multiaddr(a) for a in self.config.announce] or None,
+            psk=auth.pnet_key(self.config.secret) if self.config.secret else None,
+        )
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        try:
+            listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
+            host = self._new_host()
+        except Exception as e:  # noqa: BLE001 - bad multiaddr strings and the like
+            raise NodeError(f"bad node configuration: {e}") from e
+        self._host = host
+        # Rate limits well above our heartbeat rate; localhost peers share one IP, so no IP diversity rule.
+        router = GossipSub(protocols=[GOSSIPSUB], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
+                           heartbeat_initial_delay=0.1, eclipse_protection_enabled=False,
+                           max_messages_per_topic_per_second=50.0)
+        self._pubsub = Pubsub(host, router, max_inbound_rpc_size=wire.CONTROL_LIMIT * 4)
+        with trio.CancelScope() as scope:
+            async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
+                self._nursery = nursery
+                host.get_network().register_notifee(_ConnectionWatcher(self))
+                host.set_stream_handler(TProtocol(auth.PROTOCOL), self._on_auth_stream)
+                for protocol, wrapped in self._handlers.items():
+                    host.set_stream_handler(TProtocol(protocol), wrapped)
+                async with background_trio_service(self._pubsub), background_trio_service(router):
+                    await self._pubsub.wait_until_ready()
+                    for topic, callback in self._subscriptions:
+                        await self._subscribe(topic, callback)
+                    for addr in self.config.bootstrap:
+                        nursery.start_soon(self._keep_connected, addr)
+                    for task in self._tasks:
+                        nursery.start_soon(task)
+                    self._ready.set()
+                    await self._stop.wait()
+                    scope.deadline = trio.current_time() + STOP_TIMEOUT_S - 0.5
+                    nursery.cancel_scope.cancel()
+
+    def _run(self, fn: Callable, *args):
+        """Run async `fn` in the node's trio loop from another thread and return its result."""
+        if self._token is None or not self._ready.is_set():
+            raise NodeError("node is not running")
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise NodeError("node has stopped") from None
+
+    def _run_sync(self, fn: Callable, *args):
+        if self._token is None:
+            return fn(*args)
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    # addresses and connections ----------------------------------------------------------------
+    @property
+    def addrs(self) -> list[str]:
+        """Multiaddrs peers should dial, each ending in /p2p/<peer id>."""
+        if self._host is None:
+            return []
+        out = []
+        for a in self._host.get_addrs():
+            text = str(a)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
+        return out
+
+    def connect(self, addr: str, timeout: float = 10.0) -> str:
+        """Dial a multiaddr ending in /p2p/<peer id>; returns the peer id."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as e:  # noqa: BLE001
+            raise NodeError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id> ({e})") from None
+        self._run(self._connect, info, timeout)
+        return str(info.peer_id)
+
+    async def _connect(self, info, timeout: float) -> None:
+        if self.bans.is_banned(str(info.peer_id)):
+            raise PeerUnavailable(f"{info.peer_id} is banned")
+        try:
+            with trio.fail_after(timeout):
+                await self._host.connect(info)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"connecting to {info.peer_id} timed out") from None
+        except Exception as e:  # noqa: BLE001
+            raise PeerUnavailable(f"cannot connect to {info.peer_id}: {e}") from None
+
+    async def _keep_connected(self, addr: str) -> None:
+        """Dial a bootstrap address, and again whenever the connection drops."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as e:  # noqa: BLE001
+            log.error("bootstrap address %r is invalid: %s", addr, e)
+            return
+        if str(info.peer_id) == self.peer_id:
+            return
+        while True:
+            if info.peer_id not in self._host.get_connected_peers():
+                try:
+                    await self._connect(info, 10.0)
+                except PeerUnavailable as e:
+                    log.info("bootstrap %s: %s", addr, e)
+            await trio.sleep(2.0)
+
+    def remember_addrs(self, peer: str, addrs) -> None:
+        """Record where `peer` can be dialled, so streams to it connect on demand (call in the loop)."""
+        store = self._host.get_peerstore()
+        for addr in addrs:
+            try:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+            except Exception:  # noqa: BLE001 - a peer's bad address is its problem
+                continue
+            if str(info.peer_id) == peer:
+                store.add_addrs(info.peer_id, info.addrs, 600)
+
+    def connected_peers(self) -> list[str]:
+        if self._host is None:
+            return []
+        return [str(p) for p in self._host.get_connected_peers()]
+
+    def disconnect(self, peer: str) -> None:
+        self._run(self._disconnect, peer)
+
+    async def _disconnect(self, peer: str) -> None:
+        try:
+            await self._host.disconnect(ID.from_base58(peer))
+        except Exception as e:  # noqa: BLE001 - already gone
+            log.debug("disconnect %s: %s", peer, e)
+
+    def _strike(self, peer: str, reason: str, severe: bool = False) -> None:
+        log.info("peer %s misbehaved: %s", peer, reason)
+        if self.bans.strike(peer, reason, severe):
+            log.warning("banning %s for %.0f s: %s", peer, self.bans.remaining(peer), reason)
+            if self._nursery is not None:
+                self._nursery.start_soon(self._disconnect, peer)
+
+    def _on_connected(self, peer: str) -> None:
+        if self.bans.is_banned(peer):
+            self._nursery.start_soon(self._disconnect, peer)
+            return
+        if self.private:
+            self._authed.setdefault(peer, trio.Event())
+            self._nursery.start_soon(self._challenge, peer)
+        for cb in self.on_peer_connected:
+            cb(peer)
+
+    def _on_disconnected(self, peer: str) -> None:
+        if self._host is not None and ID.from_base58(peer) in self._host.get_connected_peers():
+            return
+        self._authed.pop(peer, None)
+        for cb in self.on_peer_disconnected:
+            cb(peer)
+
+    # private swarms ---------------------------------------------------------------------------
+    async def _challenge(self, peer: str) -> None:
+        """Ask `peer` to prove it knows the swarm secret; drop it if it cannot within 2 s."""
+        ok = False
+        challenge = auth.nonce()
+        try:
+            with trio.fail_after(AUTH_TIMEOUT_S):
+                stream = await self._new_stream_when_ready(peer, auth.PROTOCOL)
+                try:
+                    await wire.write_frame(stream, wire.pack(wire.message("challenge", nonce=challenge)))
+                    reply = wire.expect(wire.unpack(await wire.read_frame(stream, wire.CONTROL_LIMIT)), "proof",
+                                        nonce=bytes, mac=bytes)
+                finally:
+                    await _quiet_reset(stream)
+            ok = auth.verify(self._mac_key, peer, self.peer_id, challenge, reply["nonce"], reply["mac"])
+        except Exception as e:  # noqa: BLE001 - timeouts, protocol errors, resets
+            log.info("auth of %s failed: %s: %s", peer, type(e).__name__, e)
+        if ok:
+            self._authed.setdefault(peer, trio.Event()).set()
+            return
+        self._strike(peer, "failed the swarm-secret challenge", severe=True)
+        await self._disconnect(peer)
+
+    async def _new_stream_when_ready(self, peer: str, protocol: str):
+        """`connected` fires before the muxer is ready, so the first stream may fail: retry (caller bounds time)."""
+        while True:
+            try:
+                return await self._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
+            except Exception as e:  # noqa: BLE001
+                log.debug("stream %s to %s not ready: %s", protocol, peer, e)
+                await trio.sleep(0.05)
+
+    async def _on_auth_stream(self, stream) -> None:
+        peer = str(stream.muxed_conn.peer_id)
+        try:
+            with trio.fail_after(AUTH_TIMEOUT_S):
+                msg = wire.expect(wire.unpack(await wire.read_frame(stream, wire.CONTROL_LIMIT)), "challenge",
+                                  nonce=bytes)
+                if not self.private:
+                    await wire.write_frame(stream, wire.pack(wire.error("this swarm is open")))
+                    return
+                mine = auth.nonce()
+                mac = auth.proof(self._mac_key, self.peer_id, peer, msg["nonce"], mine)
+                await wire.write_frame(stream, wire.pack(wire.message("proof", nonce=mine, mac=mac)))
+        except (trio.TooSlowError, wire.ProtocolError) as e:
+            self._strike(peer, f"auth: {e}")
+        except Exception as e:  # noqa: BLE001
+            log.debug("auth stream from %s: %s", peer, e)
+        finally:
+            await _close(stream)  # a reset could overtake the proof still in flight
+
+    async def _admit(self, peer: str) -> bool:
+        """May `peer` be served? Not when banned; in a private swarm, only once it passed the challenge."""
+        if self.bans.is_banned(peer):
+            return False
+        if not self.private:
+            return True
+        event = self._authed.setdefault(peer, trio.Event())
+        with trio.move_on_after(AUTH_TIMEOUT_S):
+            await event.wait()
+        return event.is_set()
+
+    def is_authenticated(self, peer: str) -> bool:
+        event = self._authed.get(peer)
+        return not self.private or (event is not None and event.is_set())
+
+    # request / response -----------------------------------------------------------------------
+    def serve(self, protocol: str, handler: Handler, limit: int = wire.CONTROL_LIMIT) -> None:
+        """Answer requests on `protocol`. A sync handler runs in a worker thread; an async one in trio.
+
+        The handler gets (peer id, message) and returns the reply map; raising `wire.ProtocolError`
+        answers with an error and counts against the peer; other exceptions answer "internal error".
+        """
+        wrapped = functools.partial(self._on_request_stream, protocol, handler, limit)
+        self._handlers[protocol] = wrapped
+        if self._host is not None:
+            self._run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped)
+
+    async def _on_request_stream(self, protocol: str, handler: Handler, limit: int, stream) -> None:
+        peer = str(stream.muxed_conn.peer_id)
+        try:
+            if not await self._admit(peer):
+                return
+            try:
+                with trio.fail_after(REQUEST_READ_TIMEOUT_S):
+                    msg = wire.unpack(await wire.read_frame(stream, limit), limit)
+            except (wire.ProtocolError, trio.TooSlowError) as e:
+                self._strike(peer, f"{protocol}: {e or 'request too slow'}")
+                await wire.write_frame(stream, wire.pack(wire.error(f"bad request: {e}")))
+                return
+            try:
+                if inspect.iscoroutinefunction(handler):
+                    reply = await handler(peer, msg)
+                else:
+                    reply = await trio.to_thread.run_sync(handler, peer, msg)
+            except wire.ProtocolError as e:
+                self._strike(peer, f"{protocol}: {e}")
+                reply = wire.error(str(e))
+            except Exception:  # noqa: BLE001 - a handler bug must not take the node down
+                log.exception("handler for %s failed on a request from %s", protocol, peer)
+                reply = wire.error("internal error")
+            await wire.write_frame(stream, wire.pack(reply))
+        except Exception as e:  # noqa: BLE001 - the peer went away mid-request
+            log.debug("request stream %s from %s: %s", protocol, peer, e)
+        finally:
+            await _close(stream)
+
+    def request(self, peer: str, protocol: str, msg: dict, timeout: float = 10.0,
+                limit: int = wire.CONTROL_LIMIT) -> dict:
+        """Send `msg`, wait for the reply. Raises TimeoutError, PeerUnavailable or wire.RemoteError."""
+        body = wire.pack(msg)
+        if len(body) > limit:
+            raise NodeError(f"request of {len(body)} bytes exceeds the {limit}-byte limit")
+        reply = self._run(self._request, peer, protocol, body, timeout, limit)
+        if reply["t"] == "error":
+            raise wire.RemoteError(str(reply.get("error")))
+        return reply
+
+    async def arequest(self, *args, **kwargs) -> dict:
+        return await asyncio.to_thread(self.request, *args, **kwargs)
+
+    async def _request(self, peer: str, protocol: str, body: bytes, timeout: float, limit: int) -> dict:
+        try:
+            with trio.fail_after(timeout):
+                stream = await self._open_stream(peer, protocol)
+                try:
+                    await wire.write_frame(stream, body)
+                    return wire.unpack(await wire.read_frame(stream, limit), limit)
+                finally:
+                    await _close(stream)
+        except trio.TooSlowError:
+            raise TimeoutError(f"{protocol} request to {peer} timed out after {timeout} s") from None
+        except wire.ProtocolError as e:
+            self._strike(peer, f"{protocol} reply: {e}")
+            raise PeerUnavailable(f"bad reply from {peer}: {e}") from None
+        except PeerUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - resets, refused protocol, closed connection
+            raise PeerUnavailable(f"{protocol} to {peer}: {type(e).__name__}: {e}") from None
+
+    async def _open_stream(self, peer: str, protocol: str):
+        if self.bans.is_banned(peer):
+            raise PeerUnavailable(f"{peer} is banned for {self.bans.remaining(peer):.0f} s more")
+        try:
+            peer_id = ID.from_base58(peer)
+        except Exception:  # noqa: BLE001
+            raise NodeError(f"{peer!r} is not a peer id") from None
+        if self.private and not await self._admit(peer):
+            raise PeerUnavailable(f"{peer} has not proven the swarm secret")
+        return await self._host.new_stream(peer_id, [TProtocol(protocol)])
+
+    # channels ---------------------------------------------------------------------------------
+    def serve_channel(self, protocol: str, on_channel: Callable[[Channel], None], limit: int | None = None) -> None:
+        """Accept channels on `protocol`; `on_channel` runs in a worker thread and should return quickly."""
+        wrapped = functools.partial(self._on_channel_stream, protocol, on_channel,
+                                    limit or self.config.max_tensor_bytes)
+        self._handlers[protocol] = wrapped
+        if self._host is not None:
+            self._run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped)
+
+    async def _on_channel_stream(self, protocol: str, on_channel, limit: int, stream) -> None:
+        peer = str(stream.muxed_conn.peer_id)
+        if not await self._admit(peer):
+            await _quiet_reset(stream)
+            return
+        channel = Channel(self, stream, peer, protocol, limit)
+        self._nursery.start_soon(channel._reader)
+        try:
+            await trio.to_thread.run_sync(on_channel, channel)
+        except Exception:  # noqa: BLE001
+            log.exception("channel handler for %s failed", protocol)
+            channel._mark_closed("handler failed")
+            await _quiet_reset(stream)
+
+    def open_channel(self, peer: str, protocol: str, timeout: float = 10.0, limit: int | None = None) -> Channel:
+        return self._run(self._open_channel, peer, protocol, timeout, limit or self.config.max_tensor_bytes)
+
+    async def _open_channel(self, peer: str, protocol: str, timeout: float, limit: int) -> Channel:
+        try:
+            with trio.fail_after(timeout):
+                stream = await self._open_stream(peer, protocol)
+        except trio.TooSlowError:
+            raise TimeoutError(f"opening {protocol} to {peer} timed out") from None
+        except (PeerUnavailable, NodeError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise PeerUnavailable(f"{protocol} to {peer}: {type(e).__name__}: {e}") from None
+        channel = Channel(self, stream, peer, protocol, limit)
+        self._nursery.start_soon(channel._reader)
+        return channel
+
+    # publish / subscribe ----------------------------------------------------------------------
+    def topic(self, name: str) -> str:
+        return f"beeswarm/{self.config.swarm}/{name}"
+
+    def publish(self, topic: str, msg: dict) -> None:
+        body = wire.pack(msg)
+        if len(body) > wire.CONTROL_LIMIT:
+            raise NodeError(f"pubsub message of {len(body)} bytes exceeds {wire.CONTROL_LIMIT}")
+        self._run(self._pubsub.publish, topic, body)
+
+    def subscribe(self, topic: str, callback: Callable[[str, dict], None]) -> None:
+        """Call `callback(author peer id, message)` in the node's loop for each message; keep it quick."""
+        self._subscriptions.append((topic, callback))
+        if self._ready.is_set() and self._token is not None:
+            self._run(self._subscribe, topic, callback)
+
+    async def _subscribe(self, topic: str, callback) -> None:
+        subscription = await self._pubsub.subscribe(topic)
+        self._nursery.start_soon(self._pump, topic, subscription, callback)
+
+    async def _pump(self, topic: str, subscription, callback) -> None:
+        while True:
+            message = await subscription.get()
+            try:
+                author = str(ID(message.from_id))
+            except Exception:  # noqa: BLE001
+                continue
+            if author == self.peer_id:
+                continue
+            try:
+                msg = wire.unpack(message.data)
+            except wire.ProtocolError as e:
+                self._strike(author, f"{topic}: {e}")
+                continue
+            try:
+                callback(author, msg)
+            except wire.ProtocolError as e:
+                self._strike(author, f"{topic}: {e}")
+            except Exception:  # noqa: BLE001
+                log.exception("subscriber of %s failed", topic)
+
+    # components running inside the loop -------------------------------------------------------
+    def add_task(self, fn: Callable) -> None:
+        """Run async `fn()` in the node's loop for the node's lifetime (from start, or now if running)."""
+        self._tasks.append(fn)
+        if self._nursery is not None and self._ready.is_set():
+            self._run_sync(self._nursery.start_soon, fn)
+
+
+async def _close(stream) -> None:
+    try:
+        await stream.close()
+    except Exception:  # noqa: BLE001
+        await _quiet_reset(stream)

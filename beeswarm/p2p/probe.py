@@ -1,0 +1,105 @@
+"""Link probes: RTT (median of small pings) and bulk throughput both ways, cached with their age."""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+from beeswarm.p2p import wire
+from beeswarm.p2p.node import Channel, ChannelClosed, Node
+
+PROTOCOL = "/beeswarm/probe/1"
+DEFAULT_BULK = 4 * 1024 * 1024
+MAX_BULK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    peer: str
+    rtt_ms: float
+    up_mbps: float  # this node -> peer
+    down_mbps: float  # peer -> this node
+    measured_at: float  # time.monotonic()
+
+    @property
+    def age_s(self) -> float:
+        return time.monotonic() - self.measured_at
+
+
+def _serve_one(channel: Channel) -> None:
+    """Answer pings and bulk transfers on one probe channel until it closes."""
+    try:
+        while True:
+            msg = wire.unpack(channel.recv(timeout=30))
+            if msg["t"] == "ping":
+                channel.send(wire.pack(wire.message("pong")))
+            elif msg["t"] == "upload":  # the payload frame follows
+                n = wire.expect(msg, "upload", bytes=int)["bytes"]
+                if len(channel.recv(timeout=60)) != n:
+                    raise wire.ProtocolError("upload size differs from the announced one")
+                channel.send(wire.pack(wire.message("uploaded")))
+            elif msg["t"] == "download":
+                n = wire.expect(msg, "download", bytes=int)["bytes"]
+                if not 0 <= n <= MAX_BULK:
+                    raise wire.ProtocolError(f"download of {n} bytes is outside 0..{MAX_BULK}")
+                channel.send(bytes(n))
+            else:
+                raise wire.ProtocolError(f"unknown probe message {msg['t']!r}")
+    except (ChannelClosed, TimeoutError):
+        pass
+    except wire.ProtocolError as e:
+        channel.node._run_sync(channel.node._strike, channel.peer, f"probe: {e}")
+    finally:
+        channel.close()
+
+
+class Prober:
+    """Serves probes and measures links; results cached per peer for `max_age_s`."""
+
+    def __init__(self, node: Node, max_age_s: float = 300.0):
+        self.node, self.max_age_s = node, max_age_s
+        self._cache: dict[str, LinkProbe] = {}
+        self._lock = threading.Lock()
+        node.serve_channel(PROTOCOL, lambda ch: threading.Thread(target=_serve_one, args=(ch,), daemon=True,
+                                                                 name="probe-serve").start(),
+                           limit=MAX_BULK + 1024)
+
+    def cached(self, peer: str) -> LinkProbe | None:
+        with self._lock:
+            probe = self._cache.get(peer)
+        return probe if probe is not None and probe.age_s <= self.max_age_s else None
+
+    def all(self) -> dict[str, LinkProbe]:
+        with self._lock:
+            return dict(self._cache)
+
+    def probe(self, peer: str, bulk_bytes: int = DEFAULT_BULK, pings: int = 7, refresh: bool = False) -> LinkProbe:
+        if not refresh and (hit := self.cached(peer)) is not None:
+            return hit
+        channel = self.node.open_channel(peer, PROTOCOL, limit=MAX_BULK + 1024)
+        try:
+            rtts = []
+            for _ in range(pings):
+                t = time.perf_counter()
+                channel.send(wire.pack(wire.message("ping")))
+                channel.recv(timeout=10)
+                rtts.append((time.perf_counter() - t) * 1e3)
+            rtt = statistics.median(rtts)
+            t = time.perf_counter()
+            channel.send(wire.pack(wire.message("upload", bytes=bulk_bytes)))
+            channel.send(bytes(bulk_bytes), timeout=120)
+            channel.recv(timeout=120)
+            up_s = time.perf_counter() - t
+            t = time.perf_counter()
+            channel.send(wire.pack(wire.message("download", bytes=bulk_bytes)))
+            channel.recv(timeout=120)
+            down_s = time.perf_counter() - t
+        finally:
+            channel.close()
+        # The transfer time net of one round trip of handshaking.
+        mbps = lambda s: bulk_bytes * 8 / max(s - rtt / 1e3, 1e-6) / 1e6  # noqa: E731
+        result = LinkProbe(peer, rtt, mbps(up_s), mbps(down_s), time.monotonic())
+        with self._lock:
+            self._cache[peer] = result
+        return result

@@ -1,0 +1,84 @@
+"""`beeswarm demo` end to end: a real process, real checkpoints, output a user can check."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from beeswarm.client.generate import generate
+from beeswarm.client.local import LocalPipeline, even_splits
+from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.shard import checkpoint
+
+
+def beeswarm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "beeswarm", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_even_splits_cover_every_layer_once():
+    for layers in range(1, 20):
+        for stages in range(1, layers + 1):
+            spans = even_splits(layers, stages)
+            assert [s.start for s in spans][0] == 0 and spans[-1].end == layers
+            assert all(a.end == b.start for a, b in zip(spans, spans[1:]))
+            assert max(map(len, spans)) - min(map(len, spans)) <= 1
+
+
+def test_greedy_pipeline_equals_transformers_generate(tiny_llama):
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    pipeline = LocalPipeline(str(tiny_llama), stages=3, dtype="float32", device="cpu")
+    for prompt in ([5, 6, 7], [100, 3, 250, 17, 9, 1]):
+        session = pipeline.open(64)
+        ours = generate(lambda t, s: pipeline.forward(session, t, s), prompt, 24, SamplingParams())
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours.tokens == theirs
+
+
+def test_seeded_sampling_repeats_and_top_p_cuts_the_tail():
+    logits = torch.tensor([4.0, 3.0, 0.0, -1.0])
+    probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    assert probs[2] == 0 and probs[3] == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0)
+
+
+def test_demo_json_on_a_tiny_model(tiny_llama):
+    out = beeswarm("demo", "--model", str(tiny_llama), "--prompt", "def f(x):", "--max-new-tokens", "12",
+                   "--greedy", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) >= {"text", "tokens", "new_tokens", "seconds", "tokens_per_s"}
+    assert result["new_tokens"] == len(result["tokens"]) == 12
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    assert result["text"] == tokenizer.decode(result["tokens"], skip_special_tokens=True)
+    again = json.loads(beeswarm("demo", "--model", str(tiny_llama), "--prompt", "def f(x):",
+                                "--max-new-tokens", "12", "--greedy", "--json").stdout)
+    assert again["tokens"] == result["tokens"]
+
+
+def test_demo_errors_are_one_line_without_traceback(tiny_llama):
+    for args, message in [(["--model", "no-such-model", "--prompt", "x"], "not a built-in name"),
+                          (["--model", str(tiny_llama), "--prompt", "x", "--max-new-tokens", "100000"], "context"),
+                          (["--model", str(tiny_llama)], "--prompt"),
+                          (["--model", str(tiny_llama), "--prompt", "x", "--temperature", "-1"], "temperature")]:
+        out = beeswarm("demo", *args)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not (checkpoint.BUILTIN["tinycode"] / "config.json").exists(), reason="tinycode not built")
+def test_tinycode_demo_writes_python():
+    out = beeswarm("demo", "--prompt", "def fib(n):", "--max-new-tokens", "32", "--greedy", "--json")
+    assert out.returncode == 0, out.stderr
+    text = json.loads(out.stdout)["text"]
+    # A model trained on the standard library continues a function with indented code.
+    assert "\n    " in text, text

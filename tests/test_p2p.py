@@ -1,0 +1,246 @@
+"""P2P mesh: real py-libp2p nodes on 127.0.0.1, in one process and as separate processes."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from beeswarm.p2p import identity, wire
+from beeswarm.p2p.membership import Membership, NodeInfo
+from beeswarm.p2p.node import Channel, Node, NodeConfig, PeerUnavailable
+from beeswarm.p2p.probe import Prober
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+INTERVAL = 1.0
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def swarm():
+    """Start nodes on demand; every node is stopped after the test."""
+    started: list[Node] = []
+
+    def make(n: int = 1, secret: bytes | None = None, bootstrap: list[str] | None = None, members: bool = True):
+        out = []
+        for _ in range(n):
+            me = identity.ephemeral()
+            boot = bootstrap if bootstrap is not None else ([started[0].addrs[0]] if started else [])
+            node = Node(me, NodeConfig(listen=LOCAL, bootstrap=boot, secret=secret))
+            node.members = Membership(node, NodeInfo(peer=me.peer_id), interval=INTERVAL) if members else None
+            if members:
+                node.members.start()
+            node.start()
+            started.append(node)
+            out.append(node)
+        return out
+
+    yield make
+    for node in started:
+        node.stop()
+
+
+def test_membership_converges_and_a_stopped_node_is_declared_gone(swarm):
+    nodes = swarm(4)
+    wait_for(lambda: all(len(n.members.view()) == 3 for n in nodes), 10, "membership to converge")
+    left = []
+    nodes[0].members.listeners.append(lambda event, info: event == "leave" and left.append(time.monotonic()))
+    victim = nodes[3]
+    t0 = time.monotonic()
+    victim.stop()
+    wait_for(lambda: left, 3 * INTERVAL + 1, "the stopped node to be declared gone")
+    assert left[0] - t0 <= 3 * INTERVAL + 1
+    assert victim.peer_id not in nodes[0].members.view()
+    assert not [t for t in threading.enumerate() if t.name == f"p2p-{victim.peer_id[-6:]}"]
+
+
+def test_request_channel_and_stop_are_prompt(swarm):
+    a, b = swarm(2, members=False)
+    a.serve("/test/echo/1", lambda peer, msg: wire.message("echo", peer=peer, n=msg["n"]))
+    b.connect(a.addrs[0])
+    reply = b.request(a.peer_id, "/test/echo/1", wire.message("ping", n=7))
+    assert reply == wire.message("echo", peer=b.peer_id, n=7)
+    with pytest.raises(wire.RemoteError, match="internal error"):  # handler bug (KeyError): an error reply
+        b.request(a.peer_id, "/test/echo/1", wire.message("ping"))
+    t0 = time.monotonic()
+    a.stop()
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises((PeerUnavailable, TimeoutError)):
+        b.request(a.peer_id, "/test/echo/1", wire.message("ping", n=1), timeout=3)
+
+
+def test_slow_reader_does_not_get_its_stream_reset(swarm):
+    """A channel handler that computes for 8 s before reading still gets every byte."""
+    a, b = swarm(2, members=False)
+    received = []
+
+    def slow(channel: Channel):
+        def work():
+            time.sleep(8)
+            received.extend(channel.recv(timeout=10) for _ in range(4))
+            channel.send(b"done")
+        threading.Thread(target=work, daemon=True).start()
+
+    a.serve_channel("/test/slow/1", slow)
+    b.connect(a.addrs[0])
+    channel = b.open_channel(a.peer_id, "/test/slow/1")
+    chunk = os.urandom(4 * 1024 * 1024)
+    for _ in range(4):
+        channel.send(chunk, timeout=20)
+    assert channel.recv(timeout=20) == b"done"
+    assert received == [chunk] * 4
+
+
+def test_private_swarm_admits_only_peers_with_the_secret(swarm):
+    secret = b"correct horse battery staple"
+    insiders = swarm(2, secret=secret)
+    for n in insiders:
+        n.serve("/test/echo/1", lambda peer, msg: wire.message("echo"))
+    wait_for(lambda: all(len(n.members.view()) == 1 for n in insiders), 10, "insiders to see each other")
+    assert insiders[1].request(insiders[0].peer_id, "/test/echo/1", wire.message("ping"))["t"] == "echo"
+    boot = insiders[0].addrs[0]
+    (wrong,) = swarm(1, secret=b"wrong secret", bootstrap=[boot])
+    (open_node,) = swarm(1, secret=None, bootstrap=[boot])
+    time.sleep(3 * INTERVAL)
+    for outsider in (wrong, open_node):
+        assert outsider.members.view() == {}, "an outsider learned the membership"
+        assert outsider.peer_id not in insiders[0].members.view()
+        assert insiders[0].peer_id not in outsider.connected_peers()
+        with pytest.raises((PeerUnavailable, TimeoutError, wire.RemoteError)):
+            outsider.request(insiders[0].peer_id, "/test/echo/1", wire.message("ping"), timeout=3)
+    assert len(insiders[0].members.view()) == 1
+
+
+def test_hostile_input_is_survived_while_a_good_peer_is_served(swarm):
+    target, good, evil = swarm(3, members=False)
+    target.serve("/test/echo/1", lambda peer, msg: wire.expect(msg, "ping", n=int) and wire.message("echo", n=msg["n"]))
+    Prober(target)
+    got = []
+    target.serve_channel("/test/chan/1", lambda ch: got.append(ch))
+    for n in (good, evil):
+        n.connect(target.addrs[0])
+    rng = random.Random(7)
+
+    async def barrage():
+        for i in range(60):
+            protocol = rng.choice(["/test/echo/1", "/beeswarm/probe/1", "/test/chan/1", "/beeswarm/auth/1"])
+            try:
+                stream = await evil._open_stream(target.peer_id, protocol)
+                kind = i % 4
+                if kind == 0:
+                    await stream.write(os.urandom(rng.randint(1, 300)))
+                elif kind == 1:  # announces a frame far above every limit
+                    await stream.write((2**31).to_bytes(4, "big") + b"x" * 100)
+                elif kind == 2:  # well-framed but wrong-typed messages
+                    await wire.write_frame(stream, wire.pack({"t": 5, "v": "x", "n": "seven"}))
+                else:
+                    await wire.write_frame(stream, wire.pack(wire.message("ping", n="not an int")))
+                await stream.close()
+            except Exception:  # noqa: BLE001 - the target may drop us: that is the point
+                pass
+
+    stop = threading.Event()
+    served = []
+
+    def good_client():
+        while not stop.is_set():
+            served.append(good.request(target.peer_id, "/test/echo/1", wire.message("ping", n=1), timeout=5)["n"])
+
+    worker = threading.Thread(target=good_client)
+    worker.start()
+    try:
+        evil._run(barrage)
+    finally:
+        time.sleep(0.5)
+        stop.set()
+        worker.join(10)
+    assert served and all(n == 1 for n in served)
+    assert target.bans.is_banned(evil.peer_id)
+    assert not target.bans.is_banned(good.peer_id)
+    assert good.request(target.peer_id, "/test/echo/1", wire.message("ping", n=2))["n"] == 2
+    with pytest.raises(wire.RemoteError, match="n"):  # a bad field in a well-formed request: an error reply
+        good.request(target.peer_id, "/test/echo/1", wire.message("ping", n="x"))
+
+
+def test_probe_measures_rtt_and_throughput(swarm):
+    a, b = swarm(2, members=False)
+    Prober(a)
+    prober = Prober(b)
+    b.connect(a.addrs[0])
+    probe = prober.probe(a.peer_id, bulk_bytes=1 << 20)
+    assert 0 < probe.rtt_ms < 200
+    assert probe.up_mbps > 10 and probe.down_mbps > 10
+    assert prober.probe(a.peer_id) is probe  # cached
+
+
+def _spawn(env, *args):
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("p2p_node.py")), "--interval",
+                             str(INTERVAL), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
+
+
+def _read_until(proc, prefix: str, timeout: float = 20) -> str:
+    result = []
+
+    def reader():
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                result.append(line.strip())
+                return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    t.join(timeout)
+    if not result:
+        raise AssertionError(f"no {prefix!r} line within {timeout} s")
+    return result[0]
+
+
+def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
+    procs = []
+    envs = []
+    for i in range(3):
+        env = {**os.environ, "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}"),
+               "PYTHON_KEYRING_BACKEND": "keyring.backends.fail.Keyring"}
+        env.pop("BEESWARM_IDENTITY", None)
+        envs.append(env)
+    try:
+        first = _spawn(envs[0])
+        procs.append(first)
+        first_id = _read_until(first, "peer ").split()[1]
+        boot = _read_until(first, "addr ").split()[1]
+        for env in envs[1:]:
+            procs.append(_spawn(env, "--bootstrap", boot))
+        victim_id = _read_until(procs[2], "peer ").split()[1]
+        _read_until(first, f"join {victim_id}")
+        key_file = tmp_path / "node0" / "identity.secret"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        t0 = time.monotonic()
+        procs[2].send_signal(signal.SIGKILL)
+        _read_until(first, f"leave {victim_id}", timeout=3 * INTERVAL + 1.5)
+        assert time.monotonic() - t0 <= 3 * INTERVAL + 1.5
+        first.send_signal(signal.SIGINT)
+        first.wait(10)
+        again = _spawn(envs[0])
+        procs.append(again)
+        assert _read_until(again, "peer ").split()[1] == first_id
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
