@@ -80,7 +80,7 @@ def store(name: str, value: bytes) -> str:
         except Exception as e:  # noqa: BLE001
             log.debug("keyring refused %s (%s); using a file", name, e)
     path = _file(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

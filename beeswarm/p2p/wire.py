@@ -85,5 +85,15 @@ async def read_frame(stream, limit: int) -> bytes:
     return await read_exactly(stream, length)
 
 
+async def read_rest(stream, header: bytes, limit: int) -> bytes:
+    """The body of a frame whose first header bytes were already read."""
+    if len(header) < _LEN.size:
+        header += await read_exactly(stream, _LEN.size - len(header))
+    (length,) = _LEN.unpack(header)
+    if length > limit:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {limit}-byte limit")
+    return await read_exactly(stream, length)
+
+
 async def write_frame(stream, body: bytes) -> None:
     await stream.write(_LEN.pack(len(body)) + body)
