@@ -1,6 +1,21 @@
-"""Load and run spans of decoder layers, and the entry's embedding + head (torch)."""
-from beeswarm.shard.entry import EntryModel
-from beeswarm.shard.errors import SessionError, ShardError
-from beeswarm.shard.span import Span, SpanRuntime, StepInput
+"""Load and run spans of decoder layers, and the entry's embedding + head (torch).
 
-__all__ = ["EntryModel", "SessionError", "ShardError", "Span", "SpanRuntime", "StepInput"]
+Names are imported lazily so light commands (`beeswarm identity`) do not pay torch's import time.
+"""
+import importlib
+
+_EXPORTS = {
+    "EntryModel": "beeswarm.shard.entry",
+    "SessionError": "beeswarm.shard.errors",
+    "ShardError": "beeswarm.shard.errors",
+    "Span": "beeswarm.shard.span",
+    "SpanRuntime": "beeswarm.shard.span",
+    "StepInput": "beeswarm.shard.span",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'beeswarm.shard' has no attribute {name!r}")

@@ -1,0 +1,294 @@
+"""Who hosts which layers: an exact dynamic-programming planner over the shared cost model.
+
+The additive part of a pipeline's cost splits in two: the hops depend only on the order of the
+chosen nodes (a shortest Hamiltonian path entry -> nodes -> entry, Held-Karp over subsets) and the
+stages only on how many layers each node takes (a min-plus knapsack over subsets). So for every
+node subset S: best(S) = path(S) + alloc(S)[L], and the optimum is the best subset.
+
+The throughput objective adds (M-1) * bottleneck. For each candidate bottleneck value tau (a stage
+or hop cost) the additive problem is solved with everything above tau forbidden, and
+sum + (M-1) * tau is minimised; tau is scanned upwards and the scan stops once (M-1) * tau plus
+the unconstrained minimum cannot win. This is exact. Above `EXACT_MAX_NODES` nodes the same
+search runs on the most promising nodes only (a heuristic, flagged `exact: false`).
+Pure: numpy only, no torch, no networking.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from beeswarm.coordinator.cluster import (
+    Cluster, NodeSpec, hop_ms, hop_transmit_ms, offload_fraction, stage_ms, step_ms, tokens_per_s)
+
+EXACT_MAX_NODES = 9
+INF = math.inf
+
+
+class PlanError(ValueError):
+    """No plan exists (the swarm cannot hold the model); the message says by how much."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    node: str
+    start: int
+    end: int  # exclusive
+    offload_fraction: float
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: tuple[Stage, ...]
+    micro_batches: int
+    step_ms: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    objective: str
+    pipelines: tuple[Pipeline, ...]
+    excluded: tuple[tuple[str, str], ...]  # (node, reason)
+    solve_ms: float
+    exact: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(p.tokens_per_s for p in self.pipelines)
+
+    def to_json(self) -> dict:
+        return {
+            "objective": self.objective,
+            "pipelines": [{"stages": [{"node": s.node, "start": s.start, "end": s.end,
+                                       "offload_fraction": round(s.offload_fraction, 6)} for s in p.stages],
+                           "micro_batches": p.micro_batches, "step_ms": round(p.step_ms, 6),
+                           "tokens_per_s": round(p.tokens_per_s, 6)} for p in self.pipelines],
+            "excluded": [{"node": n, "reason": r} for n, r in self.excluded],
+            "solve_ms": round(self.solve_ms, 3),
+            "exact": self.exact,
+        }
+
+
+@dataclass(frozen=True)
+class _Solution:
+    total: float  # the additive part: sum of stages + sum of hops
+    order: tuple[int, ...]
+    layers: tuple[int, ...]
+
+
+class _Tables:
+    """Costs of one cluster for one micro-batch size m, indexed by node position (entry = n)."""
+
+    def __init__(self, cluster: Cluster, nodes: list[NodeSpec], m: int):
+        n, L = len(nodes), cluster.model.num_layers
+        self.n, self.L = n, L
+        ids = [node.id for node in nodes] + [cluster.entry.id]
+        self.stage = np.full((n, L + 1), INF)
+        for j, node in enumerate(nodes):
+            for k in range(1, L + 1):
+                c = stage_ms(cluster, node, k, m)
+                if c is None:
+                    break  # more layers fit even less
+                self.stage[j, k] = c
+        self.hop = np.full((n + 1, n + 1), INF)
+        self.transmit = np.full((n + 1, n + 1), INF)
+        for a in range(n + 1):
+            for b in range(n + 1):
+                if a != b:
+                    self.hop[a, b] = hop_ms(cluster, ids[a], ids[b], m)
+                    self.transmit[a, b] = hop_transmit_ms(cluster, ids[a], ids[b], m)
+
+    def candidates(self) -> np.ndarray:
+        values = np.concatenate([self.stage[np.isfinite(self.stage)], self.transmit[np.isfinite(self.hop)]])
+        return np.unique(values)
+
+    def solve(self, tau: float = INF) -> _Solution | None:
+        """The least additive cost with every stage and hop transmission <= tau, or None."""
+        n, L = self.n, self.L
+        stage = np.where(self.stage <= tau, self.stage, INF)
+        hop = np.where(self.transmit <= tau, self.hop, INF)
+        if not np.isfinite(stage).any():
+            return None
+        # alloc[S][l]: least stage cost covering l layers with exactly the nodes of S, each >= 1 layer.
+        alloc = np.full((1 << n, L + 1), INF)
+        alloc[0, 0] = 0.0
+        for j in range(n):
+            block = alloc[: 1 << j]
+            out = alloc[1 << j: 2 << j]
+            for k in range(1, L + 1):
+                if np.isfinite(stage[j, k]):
+                    np.minimum(out[:, k:], block[:, : L + 1 - k] + stage[j, k], out=out[:, k:])
+        # path[S][j]: least hop cost entry -> ... -> j visiting exactly S (Held-Karp, by subset size).
+        path = np.full((1 << n, n), INF)
+        for j in range(n):
+            path[1 << j, j] = hop[n, j]
+        for masks in _masks_by_size(n)[1:-1]:
+            # extend every path over S by one node k outside S: (masks, last j, next k)
+            ext = (path[masks][:, :, None] + hop[None, :n, :n]).min(axis=1)
+            bits = (masks[:, None] >> np.arange(n)) & 1
+            rows, ks = np.nonzero(bits == 0)
+            np.minimum.at(path, (masks[rows] | (1 << ks), ks), ext[rows, ks])
+        totals = (path + hop[:n, n]).min(axis=1) + alloc[:, L]
+        totals[0] = INF
+        best = int(np.argmin(totals))
+        if not np.isfinite(totals[best]):
+            return None
+        return _Solution(float(totals[best]), self._order(path, hop, best), self._layers(alloc, stage, best))
+
+    def _order(self, path: np.ndarray, hop: np.ndarray, mask: int) -> tuple[int, ...]:
+        n = self.n
+        last = int(np.argmin(path[mask] + hop[:n, n]))
+        order = [last]
+        while mask & (mask - 1):
+            prev_mask = mask & ~(1 << last)
+            last = int(np.argmin(path[prev_mask] + hop[:n, last]))
+            order.append(last)
+            mask = prev_mask
+        return tuple(reversed(order))
+
+    def _layers(self, alloc: np.ndarray, stage: np.ndarray, mask: int) -> tuple[int, ...]:
+        layers = [0] * self.n
+        left = self.L
+        while mask:
+            j = mask.bit_length() - 1
+            rest = mask & ~(1 << j)
+            ks = np.arange(1, left + 1)
+            costs = alloc[rest, left - ks] + stage[j, ks]
+            k = int(ks[int(np.argmin(costs))])
+            layers[j], left, mask = k, left - k, rest
+        return tuple(layers)
+
+
+_MASKS: dict[int, list[np.ndarray]] = {}
+
+
+def _masks_by_size(n: int) -> list[np.ndarray]:
+    """Subsets of n nodes as bit masks, grouped by their size 0..n."""
+    if n not in _MASKS:
+        masks = np.arange(1 << n)
+        sizes = np.array([bin(m).count("1") for m in range(1 << n)])
+        _MASKS[n] = [masks[sizes == c] for c in range(n + 1)]
+    return _MASKS[n]
+
+
+def _bottleneck(tables: _Tables, sol: _Solution) -> float:
+    path = [tables.n, *sol.order, tables.n]
+    stages = [tables.stage[j, sol.layers[j]] for j in sol.order]
+    return max(max(stages), max(tables.transmit[a, b] for a, b in zip(path, path[1:])))
+
+
+def _best_for_m(tables: _Tables, micro_batches: int) -> tuple[float, _Solution] | None:
+    """Least step time with M micro-batches: exact scan over bottleneck values."""
+    free = tables.solve()
+    if free is None:
+        return None
+    best_step, best = free.total + (micro_batches - 1) * _bottleneck(tables, free), free
+    if micro_batches == 1:
+        return best_step, best
+    for tau in tables.candidates():
+        if (micro_batches - 1) * tau + free.total >= best_step:
+            break  # every larger tau costs at least this much
+        if (tables.stage <= tau).sum() < tables.L:  # stage cost grows with k: the nodes cannot cover L layers
+            continue
+        sol = tables.solve(tau)
+        if sol is None:
+            continue
+        step = sol.total + (micro_batches - 1) * _bottleneck(tables, sol)
+        if step < best_step:
+            best_step, best = step, sol
+    return best_step, best
+
+
+def _micro_batch_options(cluster: Cluster) -> list[int]:
+    """For each distinct micro-batch size m, the fewest micro-batches M that give it."""
+    b = cluster.workload.batch_size
+    if cluster.workload.objective == "latency":
+        return [1]
+    return sorted({math.ceil(b / math.ceil(b / M)) for M in range(1, b + 1)})
+
+
+def _plan_pipeline(cluster: Cluster, nodes: list[NodeSpec]) -> Pipeline | None:
+    best: tuple[float, int, _Solution, _Tables] | None = None
+    for M in _micro_batch_options(cluster):
+        tables = _Tables(cluster, nodes, math.ceil(cluster.workload.batch_size / M))
+        found = _best_for_m(tables, M)
+        if found is not None and (best is None or found[0] < best[0] - 1e-12):
+            best = (found[0], M, found[1], tables)
+    if best is None:
+        return None
+    _, M, sol, _ = best
+    stages, start = [], 0
+    for j in sol.order:
+        k = sol.layers[j]
+        stages.append(Stage(nodes[j].id, start, start + k, offload_fraction(cluster, nodes[j], k)))
+        start += k
+    step = step_ms(cluster, [(s.node, s.end - s.start) for s in stages], M)  # priced by the shared model
+    return Pipeline(tuple(stages), M, step, tokens_per_s(cluster, step))
+
+
+def _shortlist(cluster: Cluster, nodes: list[NodeSpec], keep: int) -> list[NodeSpec]:
+    """The `keep` most promising nodes: fast per-layer compute, many layers in memory, close to the entry."""
+    w, L = cluster.workload, cluster.model.num_layers
+
+    def score(node: NodeSpec) -> float:
+        fits = max((k for k in range(1, L + 1) if offload_fraction(cluster, node, k) == 0.0), default=0)
+        if fits == 0:
+            return INF
+        per_layer = node.layer_ms_base + w.batch_size * w.step_tokens * node.layer_ms_per_token
+        stages_needed = math.ceil(L / fits)
+        return per_layer * L / stages_needed + cluster.rtt(cluster.entry.id, node.id)
+
+    ranked = sorted(nodes, key=score)
+    return ranked[:keep]
+
+
+def memory_shortfall(cluster: Cluster) -> int:
+    """Bytes missing for one copy of the model (weights + KV) across all nodes' device and host memory."""
+    m, w = cluster.model, cluster.workload
+    need = m.num_layers * (m.layer_bytes + w.batch_size * w.context_tokens * m.kv_bytes_per_token_layer)
+    have = sum(n.mem_bytes + (n.host_mem_bytes if n.offload_gbps else 0) for n in cluster.nodes)
+    return max(0, need - have)
+
+
+def plan(cluster: Cluster, exact_max_nodes: int = EXACT_MAX_NODES, replicas: bool = True) -> Plan:
+    """The best plan for the cluster; raises PlanError when no pipeline can hold the model."""
+    t0 = time.perf_counter()
+    usable, excluded = [], []
+    for node in cluster.nodes:
+        if stage_ms(cluster, node, 1, 1) is None:
+            excluded.append((node.id, "cannot hold one layer: not enough memory"))
+        else:
+            usable.append(node)
+    exact = len(usable) <= exact_max_nodes
+    pipelines: list[Pipeline] = []
+    pool = usable
+    while pool:
+        candidates = pool if len(pool) <= exact_max_nodes else _shortlist(cluster, pool, exact_max_nodes)
+        pipeline = _plan_pipeline(cluster, candidates)
+        if pipeline is None:
+            break
+        pipelines.append(pipeline)
+        if cluster.workload.objective == "latency" or not replicas:
+            break
+        used = {s.node for s in pipeline.stages}
+        pool = [n for n in pool if n.id not in used]
+    if not pipelines:
+        short = memory_shortfall(cluster)
+        detail = f"short by {short} bytes of memory" if short else "no order of nodes is reachable and fits"
+        raise PlanError(f"the swarm cannot hold the model: {detail}")
+    used = {s.node for p in pipelines for s in p.stages}
+    for node in usable:
+        if node.id not in used:
+            reachable = math.isfinite(cluster.rtt(cluster.entry.id, node.id)) or any(
+                math.isfinite(cluster.rtt(node.id, other.id)) for other in cluster.nodes if other is not node)
+            excluded.append((node.id, "no RTT measurement to any peer" if not reachable
+                             else "leaving it out is faster" if exact else "not among the most promising nodes"))
+    return Plan(cluster.workload.objective, tuple(pipelines), tuple(excluded), (time.perf_counter() - t0) * 1e3,
+                exact)
+
+
+def with_workload(cluster: Cluster, **changes) -> Cluster:
+    return replace(cluster, workload=replace(cluster.workload, **changes))
