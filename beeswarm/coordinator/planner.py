@@ -24,6 +24,8 @@ from beeswarm.coordinator.cluster import (
     Cluster, NodeSpec, hop_ms, hop_transmit_ms, offload_fraction, stage_ms, step_ms, tokens_per_s)
 
 EXACT_MAX_NODES = 9
+HEURISTIC_SHORTLIST = 8  # nodes searched exactly when the swarm is larger than EXACT_MAX_NODES
+MAX_REPLICAS = 4  # one entry's uplink feeds them all; more rarely pays
 INF = math.inf
 
 
@@ -101,6 +103,9 @@ class _Tables:
                     self.hop[a, b] = hop_ms(cluster, ids[a], ids[b], m)
                     self.transmit[a, b] = hop_transmit_ms(cluster, ids[a], ids[b], m)
 
+        self._alloc_cache: dict[bytes, np.ndarray] = {}
+        self._path_cache: dict[bytes, np.ndarray] = {}
+
     def candidates(self) -> np.ndarray:
         values = np.concatenate([self.stage[np.isfinite(self.stage)], self.transmit[np.isfinite(self.hop)]])
         return np.unique(values)
@@ -112,31 +117,45 @@ class _Tables:
         hop = np.where(self.transmit <= tau, self.hop, INF)
         if not np.isfinite(stage).any():
             return None
-        # alloc[S][l]: least stage cost covering l layers with exactly the nodes of S, each >= 1 layer.
-        alloc = np.full((1 << n, L + 1), INF)
-        alloc[0, 0] = 0.0
-        for j in range(n):
-            block = alloc[: 1 << j]
-            out = alloc[1 << j: 2 << j]
-            for k in range(1, L + 1):
-                if np.isfinite(stage[j, k]):
-                    np.minimum(out[:, k:], block[:, : L + 1 - k] + stage[j, k], out=out[:, k:])
-        # path[S][j]: least hop cost entry -> ... -> j visiting exactly S (Held-Karp, by subset size).
-        path = np.full((1 << n, n), INF)
-        for j in range(n):
-            path[1 << j, j] = hop[n, j]
-        for masks in _masks_by_size(n)[1:-1]:
-            # extend every path over S by one node k outside S: (masks, last j, next k)
-            ext = (path[masks][:, :, None] + hop[None, :n, :n]).min(axis=1)
-            bits = (masks[:, None] >> np.arange(n)) & 1
-            rows, ks = np.nonzero(bits == 0)
-            np.minimum.at(path, (masks[rows] | (1 << ks), ks), ext[rows, ks])
+        alloc = self._alloc(stage)
+        path = self._path(hop)
         totals = (path + hop[:n, n]).min(axis=1) + alloc[:, L]
         totals[0] = INF
         best = int(np.argmin(totals))
         if not np.isfinite(totals[best]):
             return None
         return _Solution(float(totals[best]), self._order(path, hop, best), self._layers(alloc, stage, best))
+
+    def _alloc(self, stage: np.ndarray) -> np.ndarray:
+        """alloc[S][l]: least stage cost covering l layers with exactly the nodes of S, each >= 1 layer."""
+        key = np.isfinite(stage).tobytes()
+        if key not in self._alloc_cache:
+            n, L = self.n, self.L
+            alloc = np.full((1 << n, L + 1), INF)
+            alloc[0, 0] = 0.0
+            for j in range(n):
+                block, out = alloc[: 1 << j], alloc[1 << j: 2 << j]
+                for k in np.flatnonzero(np.isfinite(stage[j])):
+                    np.minimum(out[:, k:], block[:, : L + 1 - k] + stage[j, k], out=out[:, k:])
+            self._alloc_cache[key] = alloc
+        return self._alloc_cache[key]
+
+    def _path(self, hop: np.ndarray) -> np.ndarray:
+        """path[S][j]: least hop cost entry -> ... -> j visiting exactly S (Held-Karp, by subset size)."""
+        key = np.isfinite(hop).tobytes()
+        if key not in self._path_cache:
+            n = self.n
+            path = np.full((1 << n, n), INF)
+            for j in range(n):
+                path[1 << j, j] = hop[n, j]
+            for masks in _masks_by_size(n)[1:-1]:
+                # extend every path over S by one node k outside S: (masks, last j, next k)
+                ext = (path[masks][:, :, None] + hop[None, :n, :n]).min(axis=1)
+                bits = (masks[:, None] >> np.arange(n)) & 1
+                rows, ks = np.nonzero(bits == 0)
+                np.minimum.at(path, (masks[rows] | (1 << ks), ks), ext[rows, ks])
+            self._path_cache[key] = path
+        return self._path_cache[key]
 
     def _order(self, path: np.ndarray, hop: np.ndarray, mask: int) -> tuple[int, ...]:
         n = self.n
@@ -211,15 +230,21 @@ def _micro_batch_options(cluster: Cluster) -> list[int]:
 
 
 def _plan_pipeline(cluster: Cluster, nodes: list[NodeSpec]) -> Pipeline | None:
-    best: tuple[float, int, _Solution, _Tables] | None = None
+    best: tuple[float, int, _Solution] | None = None
+    b = cluster.workload.batch_size
+    # Fewest micro-batches first; each M's unconstrained optimum bounds it from below.
     for M in _micro_batch_options(cluster):
-        tables = _Tables(cluster, nodes, math.ceil(cluster.workload.batch_size / M))
+        tables = _Tables(cluster, nodes, math.ceil(b / M))
+        if best is not None:
+            free = tables.solve()
+            if free is None or free.total >= best[0]:
+                continue  # even without its (M-1) * bottleneck term this M cannot win
         found = _best_for_m(tables, M)
         if found is not None and (best is None or found[0] < best[0] - 1e-12):
-            best = (found[0], M, found[1], tables)
+            best = (found[0], M, found[1])
     if best is None:
         return None
-    _, M, sol, _ = best
+    _, M, sol = best
     stages, start = [], 0
     for j in sol.order:
         k = sol.layers[j]
@@ -266,12 +291,12 @@ def plan(cluster: Cluster, exact_max_nodes: int = EXACT_MAX_NODES, replicas: boo
     pipelines: list[Pipeline] = []
     pool = usable
     while pool:
-        candidates = pool if len(pool) <= exact_max_nodes else _shortlist(cluster, pool, exact_max_nodes)
+        candidates = pool if len(pool) <= exact_max_nodes else _shortlist(cluster, pool, HEURISTIC_SHORTLIST)
         pipeline = _plan_pipeline(cluster, candidates)
         if pipeline is None:
             break
         pipelines.append(pipeline)
-        if cluster.workload.objective == "latency" or not replicas:
+        if cluster.workload.objective == "latency" or not replicas or len(pipelines) == MAX_REPLICAS:
             break
         used = {s.node for s in pipeline.stages}
         pool = [n for n in pool if n.id not in used]
