@@ -37,10 +37,12 @@ class NodeInfo:
     load: float = 0.0
     state: str = "joining"  # joining | loading | serving | paused | leaving
     version: str = beeswarm.__version__
+    links: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # peer -> (rtt ms, up, down Mbit/s)
 
     def to_wire(self) -> dict:
         d = asdict(self)
         d["addrs"], d["layers"] = list(self.addrs), list(self.layers) if self.layers else None
+        d["links"] = {peer: list(v) for peer, v in self.links.items()}
         return d
 
     @classmethod
@@ -55,13 +57,19 @@ class NodeInfo:
             raise wire.ProtocolError("addrs must be at most 16 short strings")
         if not all(isinstance(k, str) and isinstance(v, (int, float, type(None))) for k, v in d["bench"].items()):
             raise wire.ProtocolError("bench must map names to numbers")
+        links = d.get("links", {})
+        if not isinstance(links, dict) or len(links) > 512 or not all(
+                isinstance(k, str) and isinstance(v, list) and len(v) == 3 and
+                all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) for k, v in links.items()):
+            raise wire.ProtocolError("links must map peer ids to [rtt_ms, up_mbps, down_mbps]")
         layers = d.get("layers")
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2 and
                                        all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
             raise wire.ProtocolError("layers must be null or [start, end]")
         return cls(peer=d["peer"], addrs=tuple(d["addrs"]), role=d["role"], device=d["device"],
                    memory_bytes=d["memory_bytes"], bench=dict(d["bench"]), layers=tuple(layers) if layers else None,
-                   load=float(d["load"]), state=d["state"], version=d["version"])
+                   load=float(d["load"]), state=d["state"], version=d["version"],
+                   links={k: (float(v[0]), float(v[1]), float(v[2])) for k, v in links.items()})
 
 
 @dataclass(frozen=True)

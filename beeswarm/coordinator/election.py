@@ -1,0 +1,71 @@
+"""Coordinator election: a term-based lease (pure state machine; `service` feeds it the network).
+
+The coordinator publishes (term, peer id, plan epoch) every interval. When those heartbeats stop
+for MISSED_BEATS intervals, the eligible contributor with the smallest peer id claims term + 1;
+the next smallest waits two intervals more, and so on, so a dead first candidate costs little.
+Higher terms win; equal terms break by the smaller peer id, so merged partitions converge.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+MISSED_BEATS = 3
+BACKOFF_BEATS = 2  # extra silence each later-ranked candidate waits
+
+
+@dataclass(frozen=True)
+class Lease:
+    term: int
+    leader: str
+    epoch: int = 0
+
+    def beats(self, other: Lease | None) -> bool:
+        """Does this lease take precedence over `other`?"""
+        if other is None:
+            return True
+        return self.term > other.term or (self.term == other.term and self.leader < other.leader)
+
+
+class Election:
+    def __init__(self, me: str, interval: float, eligible: bool = True, clock=time.monotonic):
+        self.me, self.interval, self.eligible, self.clock = me, interval, eligible, clock
+        self.current: Lease | None = None
+        self.last_heard = clock()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.current is not None and self.current.leader == self.me
+
+    def observe(self, lease: Lease) -> bool:
+        """Take in a heartbeat; returns True when it is (now) the lease this node follows."""
+        if self.current is not None and lease.term == self.current.term and lease.leader == self.current.leader:
+            self.current = Lease(lease.term, lease.leader, max(lease.epoch, self.current.epoch))
+            self.last_heard = self.clock()
+            return True
+        if lease.beats(self.current):
+            self.current = lease
+            self.last_heard = self.clock()
+            return True
+        return False
+
+    def tick(self, candidates: set[str]) -> Lease | None:
+        """Call often. Returns a new lease when this node has just claimed leadership."""
+        if self.is_leader or not self.eligible:
+            return None
+        silence = self.clock() - self.last_heard
+        dead = self.current.leader if self.current else None
+        ranked = sorted((candidates | {self.me}) - {dead})
+        wait = (MISSED_BEATS + BACKOFF_BEATS * ranked.index(self.me)) * self.interval
+        if silence < wait:
+            return None
+        term = self.current.term + 1 if self.current else 1
+        self.current = Lease(term, self.me, 0)
+        self.last_heard = self.clock()
+        return self.current
+
+    def next_epoch(self) -> int:
+        """The leader's next plan epoch."""
+        assert self.is_leader
+        self.current = Lease(self.current.term, self.me, self.current.epoch + 1)
+        return self.current.epoch

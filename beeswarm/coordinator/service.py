@@ -1,0 +1,209 @@
+"""The coordinator role on the mesh: run the election, and while leading, plan and publish signed plans.
+
+Every contributor runs this. Contributors put their benchmark figures and link probes in their
+membership heartbeats; the leader turns the membership view into a cluster description, plans it,
+and publishes the plan signed with its node key. Re-planning keeps the current plan unless the new
+one is better by `replan_threshold`, and migrations are make-before-break: a changed plan is first
+published as a `target` while clients keep routing over the `active` one; it becomes active once
+every node of the target announces its new span loaded.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import trio
+
+from beeswarm.coordinator import plans
+from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms
+from beeswarm.coordinator.election import Election, Lease
+from beeswarm.coordinator.planner import PlanError, plan
+from beeswarm.p2p import wire
+from beeswarm.p2p.membership import Membership, NodeInfo
+from beeswarm.p2p.node import Node
+
+log = logging.getLogger(__name__)
+
+TOPIC = "coordinator"
+DEFAULT_LINK = (50.0, 100.0, 100.0)  # rtt ms, up, down Mbit/s assumed until a probe measures the pair
+
+
+def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, workload: Workload) -> Cluster:
+    """The planner's input from membership heartbeats (contributors with benchmark figures only).
+
+    The entry is a typical client: its RTT to a node is that node's median measured RTT.
+    """
+    nodes = []
+    for peer, info in sorted(members.items()):
+        b = info.bench
+        if info.role != "contributor" or info.state in ("paused", "leaving") or "layer_ms_base" not in b:
+            continue
+        rtts = {other: link[0] for other, link in info.links.items()}
+        up = statistics.median([v[1] for v in info.links.values()]) if info.links else DEFAULT_LINK[1]
+        down = statistics.median([v[2] for v in info.links.values()]) if info.links else DEFAULT_LINK[2]
+        nodes.append(NodeSpec(
+            id=peer, mem_bytes=info.memory_bytes, host_mem_bytes=int(b.get("host_mem_bytes") or 0),
+            layer_ms_base=float(b["layer_ms_base"]), layer_ms_per_token=float(b.get("layer_ms_per_token") or 0),
+            offload_gbps=b.get("offload_gbps"), up_mbps=up, down_mbps=down, rtt_ms=rtts))
+    ids = {n.id for n in nodes}
+    # Pairs nobody probed yet get the default link, so a young swarm can still be planned.
+    nodes = [replace(n, rtt_ms={**{o: DEFAULT_LINK[0] for o in ids if o != n.id}, **n.rtt_ms}) for n in nodes]
+    entry_rtt = {n.id: statistics.median(n.rtt_ms.values()) if n.rtt_ms else DEFAULT_LINK[0] for n in nodes}
+    return Cluster(model, workload, Entry("entry", entry_rtt, DEFAULT_LINK[1], DEFAULT_LINK[2]), tuple(nodes))
+
+
+def _spans(pipelines: list[dict]) -> dict[str, tuple[int, int]]:
+    return {s["node"]: (s["start"], s["end"]) for p in pipelines for s in p["stages"]}
+
+
+@dataclass
+class PlanState:
+    """What followers act on: nodes load `target` spans; clients route over `active` pipelines."""
+
+    term: int = 0
+    epoch: int = 0
+    active: list[dict] = field(default_factory=list)
+    target: list[dict] = field(default_factory=list)
+    excluded: list[dict] = field(default_factory=list)
+
+
+class CoordinatorService:
+    def __init__(self, node: Node, members: Membership, model: ModelShape, workload: Workload | None = None,
+                 interval: float = 3.0, eligible: bool = True, replan_threshold: float = 0.10):
+        self.node, self.members, self.model = node, members, model
+        self.workload = workload or Workload()
+        self.interval, self.replan_threshold = interval, replan_threshold
+        self.election = Election(node.peer_id, interval, eligible)
+        self.state = PlanState()
+        self.listeners: list[Callable[[PlanState], None]] = []
+        self.ignored_plans = 0
+        self._lock = threading.Lock()
+        self._dirty = True
+        self._last_beat = 0.0
+        self._planned_members: list[str] | None = None
+
+    def start(self) -> None:
+        self.node.subscribe(self.node.topic(TOPIC), self._on_message)
+        self.members.listeners.append(lambda event, info: self._mark_dirty())
+        self.node.add_task(self._loop)
+
+    @property
+    def lease(self) -> Lease | None:
+        return self.election.current
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election.is_leader
+
+    def _mark_dirty(self) -> None:
+        self._dirty = True
+
+    # messages ---------------------------------------------------------------------------------
+    def _on_message(self, author: str, msg: dict) -> None:
+        if msg["t"] == "lease":
+            wire.expect(msg, "lease", term=int, epoch=int)
+            was_leader = self.is_leader
+            with self._lock:
+                self.election.observe(Lease(msg["term"], author, msg["epoch"]))
+            if was_leader and not self.is_leader:
+                log.info("stepping down: %s leads term %d", author, msg["term"])
+            return
+        signed = plans.verify(msg, author)  # ProtocolError (bad form or signature) strikes the author
+        lease = self.election.current
+        if lease is None or signed.coordinator != lease.leader or signed.term != lease.term or \
+                (signed.term, signed.epoch) <= (self.state.term, self.state.epoch):
+            self.ignored_plans += 1
+            log.info("ignoring plan %d/%d from %s (following %s)", signed.term, signed.epoch, author, lease)
+            return
+        self._apply(signed)
+
+    def _apply(self, signed: plans.SignedPlan) -> None:
+        p = signed.plan
+        self.state = PlanState(signed.term, signed.epoch, list(p.get("active", [])), list(p.get("target", [])),
+                               list(p.get("excluded", [])))
+        for listener in list(self.listeners):
+            try:
+                listener(self.state)
+            except Exception:  # noqa: BLE001
+                log.exception("plan listener failed")
+
+    # leading ----------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        last_replan = 0.0
+        while True:
+            candidates = {p for p, info in self.members.view().items() if info.role == "contributor"}
+            with self._lock:
+                claim = self.election.tick(candidates)
+            if claim is not None:
+                log.info("claimed coordinator lease, term %d", claim.term)
+                self._dirty, self._last_beat = True, 0.0
+            now = time.monotonic()
+            if self.is_leader:
+                if now - self._last_beat >= self.interval:
+                    lease = self.election.current
+                    await self._publish(wire.message("lease", term=lease.term, epoch=lease.epoch))
+                    self._last_beat = now
+                if (self._dirty or self._migrating()) and now - last_replan >= self.interval / 2:
+                    self._dirty, last_replan = False, now
+                    await self._replan()
+            await trio.sleep(min(0.25, self.interval / 4))
+
+    async def _publish(self, msg: dict) -> None:
+        try:
+            await self.node._pubsub.publish(self.node.topic(TOPIC), wire.pack(msg))
+        except Exception as e:  # noqa: BLE001 - no peers yet
+            log.debug("coordinator publish failed: %s", e)
+
+    def _migrating(self) -> bool:
+        return _spans(self.state.target) != _spans(self.state.active)
+
+    def _objective(self, cluster: Cluster, pipelines: list[dict]) -> float | None:
+        """Tokens/s of `pipelines` priced on `cluster` (None if a node is gone or it no longer fits)."""
+        ids = {n.id for n in cluster.nodes}
+        total = 0.0
+        for p in pipelines:
+            stages = [(s["node"], s["end"] - s["start"]) for s in p["stages"]]
+            if any(node not in ids for node, _ in stages):
+                return None
+            step = step_ms(cluster, stages, p["micro_batches"])
+            if step == float("inf"):
+                return None
+            total += cluster.workload.batch_size * cluster.workload.step_tokens * 1000 / step
+        return total or None
+
+    async def _replan(self) -> None:
+        cluster = cluster_from_members(
+            {**self.members.view(), self.node.peer_id: self.members.info}, self.model, self.workload)
+        if not cluster.nodes:
+            return
+        try:
+            result = await trio.to_thread.run_sync(plan, cluster)
+        except PlanError as e:
+            log.warning("cannot plan the swarm yet: %s", e)
+            return
+        new = result.to_json()
+        current = self.state.target or self.state.active
+        kept = self._objective(cluster, current) if current else None
+        target = new["pipelines"]
+        if kept is not None and result.tokens_per_s <= kept * (1 + self.replan_threshold):
+            target = current  # not better enough to move weights around
+        active = self.state.active
+        view = {**self.members.view(), self.node.peer_id: self.members.info}
+        loaded = all(view.get(node) is not None and view[node].layers == span and view[node].state == "serving"
+                     for node, span in _spans(target).items())
+        if loaded or self._objective(cluster, active) is None:
+            active = target  # nothing to keep serving: switch (nodes load as they can)
+        body = {"objective": new["objective"], "active": active, "target": target, "excluded": new["excluded"]}
+        members = sorted(view)
+        if body["active"] == self.state.active and body["target"] == self.state.target and \
+                members == self._planned_members:
+            return  # every membership change gets a new epoch, even when the assignments stay
+        self._planned_members = members
+        epoch = self.election.next_epoch()
+        signed = plans.SignedPlan(self.election.current.term, epoch, self.node.peer_id, body)
+        await self._publish(plans.sign(self.node.identity.key_pair, signed))
+        self._apply(signed)

@@ -1,0 +1,132 @@
+"""Election and signed plans among real nodes on 127.0.0.1."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from beeswarm.coordinator import plans
+from beeswarm.coordinator.cluster import ModelShape
+from beeswarm.coordinator.election import Election, Lease
+from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.p2p import identity, wire
+from beeswarm.p2p.membership import Membership, NodeInfo
+from beeswarm.p2p.node import Node, NodeConfig
+
+INTERVAL = 1.0
+MODEL = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
+
+
+def wait_for(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def contributors():
+    started = []
+
+    def make(n: int, bootstrap: str | None = None):
+        out = []
+        for _ in range(n):
+            me = identity.ephemeral()
+            boot = [bootstrap] if bootstrap else ([out[0].addrs[0]] if out else [])
+            node = Node(me, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot))
+            info = NodeInfo(peer=me.peer_id, memory_bytes=40_000_000, state="serving",
+                            bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.1})
+            node.members = Membership(node, info, interval=INTERVAL)
+            node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
+            node.members.start()
+            node.coord.start()
+            node.start()
+            started.append(node)
+            out.append(node)
+        return out
+
+    yield make
+    for node in started:
+        node.stop()
+
+
+def leaders(nodes):
+    return {n.coord.lease.leader if n.coord.lease else None for n in nodes}
+
+
+def agreed(nodes) -> bool:
+    ls = leaders(nodes)
+    return len(ls) == 1 and None not in ls and sum(n.coord.is_leader for n in nodes) == 1
+
+
+def test_election_failover_and_plans(contributors):
+    nodes = contributors(5)
+    t0 = time.monotonic()
+    wait_for(lambda: agreed(nodes), 5, "one coordinator")
+    assert time.monotonic() - t0 <= 5
+    leader = next(n for n in nodes if n.coord.is_leader)
+    assert leader.peer_id == min(n.peer_id for n in nodes)  # the smallest id claims first
+    wait_for(lambda: all(n.coord.state.epoch >= 1 and n.coord.state.active for n in nodes), 5, "a plan everywhere")
+    spans = sorted((s["start"], s["end"]) for p in nodes[1].coord.state.active for s in p["stages"])
+    assert spans[0][0] == 0 and spans[-1][1] == MODEL.num_layers
+
+    # A membership change brings a plan with a new epoch.
+    epoch = nodes[1].coord.state.epoch
+    (late,) = contributors(1, bootstrap=nodes[0].addrs[0])
+    wait_for(lambda: nodes[1].coord.state.epoch > epoch, 8, "a new epoch after a join")
+
+    # A plan signed by someone other than the coordinator is ignored, however valid its signature.
+    follower = next(n for n in nodes if not n.coord.is_leader)
+    before = nodes[2].coord.ignored_plans, nodes[2].coord.state
+    forged = plans.SignedPlan(leader.coord.lease.term, 10_000, follower.peer_id, {"active": [], "target": []})
+    follower.publish(follower.topic("coordinator"), plans.sign(follower.identity.key_pair, forged))
+    others = [n for n in nodes if n is not follower and not n.coord.is_leader]
+    wait_for(lambda: all(n.coord.ignored_plans > 0 for n in others), 5, "the forged plan to be ignored")
+    assert all(n.coord.state.epoch < 10_000 for n in nodes)
+
+    # Kill the coordinator: a new one within 3 intervals + 1 s, with a higher term.
+    term = leader.coord.lease.term
+    rest = [n for n in nodes + [late] if n is not leader]
+    t0 = time.monotonic()
+    leader.stop()
+    wait_for(lambda: agreed(rest) and next(iter(leaders(rest))) != leader.peer_id, 3 * INTERVAL + 1, "a new coordinator")
+    assert time.monotonic() - t0 <= 3 * INTERVAL + 1
+    assert all(n.coord.lease.term > term for n in rest)
+
+
+def test_partitions_merge_to_one_coordinator(contributors):
+    left = contributors(2)
+    right = contributors(2, bootstrap=None)
+    wait_for(lambda: agreed(left) and agreed(right), 8, "a coordinator in each partition")
+    assert leaders(left) != leaders(right)
+    right[0].connect(left[0].addrs[0])
+    everyone = left + right
+    wait_for(lambda: agreed(everyone), 10, "the partitions to converge")
+
+
+def test_tampered_plans_are_rejected():
+    me = identity.ephemeral()
+    signed = plans.sign(me.key_pair, plans.SignedPlan(1, 1, me.peer_id, {"active": []}))
+    assert plans.verify(signed, me.peer_id).epoch == 1
+    with pytest.raises(wire.ProtocolError, match="signature"):
+        plans.verify({**signed, "body": signed["body"][:-1] + b"\x00"}, me.peer_id)
+    with pytest.raises(wire.ProtocolError, match="published by"):
+        plans.verify(signed, identity.ephemeral().peer_id)
+    with pytest.raises(wire.ProtocolError):
+        plans.verify(wire.message("plan", body=b"junk", sig=b""), me.peer_id)
+
+
+def test_election_state_machine_rules():
+    now = [0.0]
+    a = Election("A", 1.0, clock=lambda: now[0])
+    b = Election("B", 1.0, clock=lambda: now[0])
+    now[0] = 2.9
+    assert a.tick({"A", "B"}) is None
+    now[0] = 3.0
+    assert a.tick({"A", "B"}) == Lease(1, "A") and b.tick({"A", "B"}) is None  # B waits 2 beats longer
+    assert b.observe(Lease(1, "A"))
+    assert not b.observe(Lease(1, "C"))  # same term: the smaller id keeps it
+    assert b.observe(Lease(2, "C"))  # a higher term wins
+    assert a.observe(Lease(2, "C")) and not a.is_leader
