@@ -124,6 +124,26 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Measure this machine for the planner: per-layer compute, memory, offload bandwidth."""
+    from dataclasses import asdict
+
+    from beeswarm.shard import benchmark
+
+    result = benchmark.run(args.model, args.device, args.dtype, refresh=args.refresh,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(asdict(result)))
+        return 0
+    offload = f"{result.offload_gbps} GB/s" if result.offload_gbps else "n/a (CPU)"
+    print(f"{result.model} on {result.device} ({result.dtype}){' [cached]' if result.cached else ''}\n"
+          f"  per layer:  {result.layer_ms_base:.3f} ms + {result.layer_ms_per_token:.4f} ms/token\n"
+          f"  memory:     {result.mem_bytes / 2**30:.1f} GiB free, {result.host_mem_bytes / 2**30:.1f} GiB host\n"
+          f"  offload:    {offload}\n"
+          f"  layer size: {result.layer_bytes / 2**20:.1f} MiB, KV {result.kv_bytes_per_token_layer} B/token/layer")
+    return 0
+
+
 def cmd_identity(args) -> int:
     """Show or replace this machine's node key, or set the swarm secret."""
     from beeswarm import secrets
@@ -185,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cluster", required=True, metavar="FILE", help="cluster JSON (see DESIGN.md), - for stdin")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=cmd_plan)
+
+    bench = sub.add_parser("bench", help="measure this machine's speed and memory for a model's layers")
+    bench.add_argument("--model", default="tinycode", help="built-in name, checkpoint folder or hub id")
+    bench.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    bench.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    bench.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
+    bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    bench.set_defaults(func=cmd_bench)
 
     ident = sub.add_parser("identity", help="this node's peer id and key, and the swarm secret")
     ident_sub = ident.add_subparsers(dest="action", metavar="ACTION")

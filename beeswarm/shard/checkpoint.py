@@ -102,6 +102,18 @@ def resolve(ref: str, parts: Parts | None = None, revision: str | None = None) -
     return _download(ref, parts or Parts(0, 10**9, True, True), revision)
 
 
+def resolve_config(ref: str, revision: str | None = None) -> Path:
+    """A folder holding at least `ref`'s config.json (a hub id fetches nothing else)."""
+    if ref in BUILTIN or Path(ref).expanduser().is_dir() or not _looks_like_hub_id(ref):
+        return resolve(ref)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(ref, "config.json", revision=revision)).parent
+    except Exception as e:  # noqa: BLE001 - network, auth, missing repo
+        raise ShardError(f"could not download config.json of {ref!r}: {e}") from None
+
+
 def _download(repo: str, parts: Parts, revision: str | None) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
