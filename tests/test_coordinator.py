@@ -6,9 +6,10 @@ import time
 import pytest
 
 from beeswarm.coordinator import plans
-from beeswarm.coordinator.cluster import ModelShape
+from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.election import Election, Lease
-from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.coordinator.service import (
+    CoordinatorService, PlanState, cluster_from_members, next_assignment, pipelines_tokens_per_s)
 from beeswarm.p2p import identity, wire
 from beeswarm.p2p.membership import Membership, NodeInfo
 from beeswarm.p2p.node import Node, NodeConfig
@@ -130,3 +131,32 @@ def test_election_state_machine_rules():
     assert not b.observe(Lease(1, "C"))  # same term: the smaller id keeps it
     assert b.observe(Lease(2, "C"))  # a higher term wins
     assert a.observe(Lease(2, "C")) and not a.is_leader
+
+
+def test_replanning_keeps_a_good_enough_plan_and_migrates_make_before_break():
+    def info(peer, layers=None, ms=1.0):
+        return NodeInfo(peer=peer, memory_bytes=10**9, state="serving", layers=layers,
+                        bench={"layer_ms_base": ms, "layer_ms_per_token": 0.0})
+
+    def pipeline(*stages):
+        return {"stages": [{"node": n, "start": a, "end": b, "offload_fraction": 0.0} for n, a, b in stages],
+                "micro_batches": 1, "step_ms": 0, "tokens_per_s": 0}
+
+    view = {"A": info("A", (0, 8)), "B": info("B", ms=0.9)}
+    cluster = cluster_from_members(view, MODEL, Workload())
+    old = [pipeline(("A", 0, 8))]
+    state = PlanState(1, 1, old, old)
+    current = pipelines_tokens_per_s(cluster, old)
+    new = [pipeline(("B", 0, 8))]
+    # 5% better: not worth moving weights
+    assert next_assignment(cluster, new, current * 1.05, state, view, 0.10) == (old, old)
+    # 20% better: migrate, but keep routing over the old pipeline until B has loaded its span
+    active, target = next_assignment(cluster, new, current * 1.2, state, view, 0.10)
+    assert (active, target) == (old, new)
+    migrating = PlanState(1, 2, old, new)
+    view["B"] = info("B", (0, 8), ms=0.9)
+    assert next_assignment(cluster, new, current * 1.2, migrating, view, 0.10) == (new, new)
+    # the old pipeline's node is gone: switch at once
+    del view["A"]
+    cluster = cluster_from_members(view, MODEL, cluster.workload)
+    assert next_assignment(cluster, new, 1.0, PlanState(1, 2, old, old), view, 0.10) == (new, new)

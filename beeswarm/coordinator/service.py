@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from beeswarm.coordinator import plans
-from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms
+from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.planner import PlanError, plan
 from beeswarm.p2p import wire
@@ -58,6 +58,40 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
 
 def _spans(pipelines: list[dict]) -> dict[str, tuple[int, int]]:
     return {s["node"]: (s["start"], s["end"]) for p in pipelines for s in p["stages"]}
+
+
+def pipelines_tokens_per_s(cluster: Cluster, pipelines: list[dict]) -> float | None:
+    """Tokens/s of `pipelines` priced on `cluster` (None if a node is gone or its span no longer fits)."""
+    ids = {n.id for n in cluster.nodes}
+    total = 0.0
+    for p in pipelines:
+        stages = [(s["node"], s["end"] - s["start"]) for s in p["stages"]]
+        if any(node not in ids for node, _ in stages):
+            return None
+        step = step_ms(cluster, stages, p["micro_batches"])
+        if step == float("inf"):
+            return None
+        total += tokens_per_s(cluster, step)
+    return total or None
+
+
+def next_assignment(cluster: Cluster, new: list[dict], new_tokens_per_s: float, state: PlanState,
+                    view: dict[str, NodeInfo], threshold: float) -> tuple[list[dict], list[dict]]:
+    """(active, target) after a re-plan.
+
+    The current target is kept unless the new plan is better by `threshold`. A changed target starts
+    as a migration: clients keep the active pipelines until every target node announces its new span
+    loaded and serving (make-before-break), unless the active pipelines no longer work at all.
+    """
+    current = state.target or state.active
+    kept = pipelines_tokens_per_s(cluster, current) if current else None
+    target = current if kept is not None and new_tokens_per_s <= kept * (1 + threshold) else new
+    loaded = all(view.get(node) is not None and view[node].layers == span and view[node].state == "serving"
+                 for node, span in _spans(target).items())
+    active = state.active
+    if loaded or pipelines_tokens_per_s(cluster, active) is None:
+        active = target
+    return active, target
 
 
 @dataclass
@@ -161,23 +195,9 @@ class CoordinatorService:
     def _migrating(self) -> bool:
         return _spans(self.state.target) != _spans(self.state.active)
 
-    def _objective(self, cluster: Cluster, pipelines: list[dict]) -> float | None:
-        """Tokens/s of `pipelines` priced on `cluster` (None if a node is gone or it no longer fits)."""
-        ids = {n.id for n in cluster.nodes}
-        total = 0.0
-        for p in pipelines:
-            stages = [(s["node"], s["end"] - s["start"]) for s in p["stages"]]
-            if any(node not in ids for node, _ in stages):
-                return None
-            step = step_ms(cluster, stages, p["micro_batches"])
-            if step == float("inf"):
-                return None
-            total += cluster.workload.batch_size * cluster.workload.step_tokens * 1000 / step
-        return total or None
-
     async def _replan(self) -> None:
-        cluster = cluster_from_members(
-            {**self.members.view(), self.node.peer_id: self.members.info}, self.model, self.workload)
+        view = {**self.members.view(), self.node.peer_id: self.members.info}
+        cluster = cluster_from_members(view, self.model, self.workload)
         if not cluster.nodes:
             return
         try:
@@ -186,17 +206,8 @@ class CoordinatorService:
             log.warning("cannot plan the swarm yet: %s", e)
             return
         new = result.to_json()
-        current = self.state.target or self.state.active
-        kept = self._objective(cluster, current) if current else None
-        target = new["pipelines"]
-        if kept is not None and result.tokens_per_s <= kept * (1 + self.replan_threshold):
-            target = current  # not better enough to move weights around
-        active = self.state.active
-        view = {**self.members.view(), self.node.peer_id: self.members.info}
-        loaded = all(view.get(node) is not None and view[node].layers == span and view[node].state == "serving"
-                     for node, span in _spans(target).items())
-        if loaded or self._objective(cluster, active) is None:
-            active = target  # nothing to keep serving: switch (nodes load as they can)
+        active, target = next_assignment(cluster, new["pipelines"], result.tokens_per_s, self.state, view,
+                                         self.replan_threshold)
         body = {"objective": new["objective"], "active": active, "target": target, "excluded": new["excluded"]}
         members = sorted(view)
         if body["active"] == self.state.active and body["target"] == self.state.target and \
