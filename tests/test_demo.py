@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from beeswarm.client.generate import generate
 from beeswarm.client.local import LocalPipeline, even_splits
 from beeswarm.client.sampling import SamplingParams, probabilities
-from beeswarm.shard import checkpoint
 
 
 def beeswarm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -75,7 +74,6 @@ def test_demo_errors_are_one_line_without_traceback(tiny_llama):
         assert message in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.skipif(not (checkpoint.BUILTIN["tinycode"] / "config.json").exists(), reason="tinycode not built")
 def test_tinycode_demo_writes_python():
     out = beeswarm("demo", "--prompt", "def fib(n):", "--max-new-tokens", "32", "--greedy", "--json")
     assert out.returncode == 0, out.stderr

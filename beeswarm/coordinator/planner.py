@@ -23,8 +23,10 @@ import numpy as np
 from beeswarm.coordinator.cluster import (
     Cluster, NodeSpec, hop_ms, hop_transmit_ms, offload_fraction, stage_ms, step_ms, tokens_per_s)
 
-EXACT_MAX_NODES = 9
-HEURISTIC_SHORTLIST = 8  # nodes searched exactly when the swarm is larger than EXACT_MAX_NODES
+# Largest swarm solved exactly, per objective (latency needs one DP; throughput one per bottleneck value),
+# and the number of most promising nodes searched exactly in larger swarms.
+EXACT_MAX_NODES = {"latency": 14, "throughput": 9}
+HEURISTIC_SHORTLIST = {"latency": 14, "throughput": 8}
 MAX_REPLICAS = 4  # one entry's uplink feeds them all; more rarely pays
 INF = math.inf
 
@@ -278,9 +280,12 @@ def memory_shortfall(cluster: Cluster) -> int:
     return max(0, need - have)
 
 
-def plan(cluster: Cluster, exact_max_nodes: int = EXACT_MAX_NODES, replicas: bool = True) -> Plan:
+def plan(cluster: Cluster, exact_max_nodes: int | None = None, replicas: bool = True) -> Plan:
     """The best plan for the cluster; raises PlanError when no pipeline can hold the model."""
     t0 = time.perf_counter()
+    objective = cluster.workload.objective
+    if exact_max_nodes is None:
+        exact_max_nodes = EXACT_MAX_NODES[objective]
     usable, excluded = [], []
     for node in cluster.nodes:
         if stage_ms(cluster, node, 1, 1) is None:
@@ -291,7 +296,7 @@ def plan(cluster: Cluster, exact_max_nodes: int = EXACT_MAX_NODES, replicas: boo
     pipelines: list[Pipeline] = []
     pool = usable
     while pool:
-        candidates = pool if len(pool) <= exact_max_nodes else _shortlist(cluster, pool, HEURISTIC_SHORTLIST)
+        candidates = pool if len(pool) <= exact_max_nodes else _shortlist(cluster, pool, min(exact_max_nodes, HEURISTIC_SHORTLIST[objective]))
         pipeline = _plan_pipeline(cluster, candidates)
         if pipeline is None:
             break
