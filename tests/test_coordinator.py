@@ -1,6 +1,7 @@
 """Election and signed plans among real nodes on 127.0.0.1."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from beeswarm.coordinator.service import (
 from beeswarm.p2p import identity, wire
 from beeswarm.p2p.membership import Membership, NodeInfo
 from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.p2p.probe import Prober
 
 INTERVAL = 1.0
 MODEL = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
@@ -95,6 +97,23 @@ def test_election_failover_and_plans(contributors):
     wait_for(lambda: agreed(rest) and next(iter(leaders(rest))) != leader.peer_id, 3 * INTERVAL + 1, "a new coordinator")
     assert time.monotonic() - t0 <= 3 * INTERVAL + 1
     assert all(n.coord.lease.term > term for n in rest)
+
+
+def test_link_probes_reach_the_coordinators_cluster(contributors):
+    nodes = contributors(3)
+    stop = threading.Event()
+    try:
+        for n in nodes:
+            Prober(n).report_links(n.members, every_s=30, bulk_bytes=256 * 1024, stop=stop)
+        wait_for(lambda: all(len(n.members.info.links) == 2 for n in nodes), 15, "every pair probed")
+        wait_for(lambda: all(len(info.links) == 2 for info in nodes[0].members.view().values()), 10,
+                 "the figures to travel in heartbeats")
+        view = {**nodes[0].members.view(), nodes[0].peer_id: nodes[0].members.info}
+        cluster = cluster_from_members(view, MODEL, Workload())
+        a, b = nodes[1].peer_id, nodes[2].peer_id
+        assert cluster.rtt(a, b) == pytest.approx(view[a].links[b][0]) and cluster.rtt(a, b) < 50
+    finally:
+        stop.set()
 
 
 def test_partitions_merge_to_one_coordinator(contributors):

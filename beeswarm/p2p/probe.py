@@ -1,6 +1,7 @@
 """Link probes: RTT (median of small pings) and bulk throughput both ways, cached with their age."""
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 
 from beeswarm.p2p import wire
 from beeswarm.p2p.node import Channel, ChannelClosed, Node
+
+log = logging.getLogger(__name__)
 
 PROTOCOL = "/beeswarm/probe/1"
 DEFAULT_BULK = 4 * 1024 * 1024
@@ -73,6 +76,33 @@ class Prober:
     def all(self) -> dict[str, LinkProbe]:
         with self._lock:
             return dict(self._cache)
+
+    def report_links(self, members, every_s: float = 60.0, bulk_bytes: int = DEFAULT_BULK,
+                     stop: threading.Event | None = None) -> threading.Thread:
+        """Probe every member in a background thread and publish the figures in this node's heartbeat.
+
+        Each pair is measured again after `every_s`; the planner reads them as `rtt_ms`/`up`/`down`.
+        """
+        stop = stop or threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                for peer in list(members.view()):
+                    hit = self.cached(peer)
+                    if hit is not None and hit.age_s < every_s:
+                        continue
+                    try:
+                        self.probe(peer, bulk_bytes=bulk_bytes, refresh=True)
+                    except Exception as e:  # noqa: BLE001 - a peer that went away: try later
+                        log.debug("probe of %s failed: %s", peer, e)
+                links = {p: (round(x.rtt_ms, 3), round(x.up_mbps, 1), round(x.down_mbps, 1))
+                         for p, x in self.all().items() if p in members.view()}
+                members.update(links=links)
+                stop.wait(min(every_s / 4, 5.0))
+
+        thread = threading.Thread(target=loop, name="link-probes", daemon=True)
+        thread.start()
+        return thread
 
     def probe(self, peer: str, bulk_bytes: int = DEFAULT_BULK, pings: int = 7, refresh: bool = False) -> LinkProbe:
         if not refresh and (hit := self.cached(peer)) is not None:
