@@ -19,3 +19,41 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models):
     return tiny_models["llama"]
+
+
+@pytest.fixture
+def mesh():
+    """Start real p2p nodes on 127.0.0.1 on demand; all are stopped after the test.
+
+    mesh(n, secret=None, bootstrap=None, members=True, info=None, setup=None): the nodes of one call
+    bootstrap from the first of them (one group per call) unless `bootstrap` is given; `info(peer)` makes each one's NodeInfo;
+    `setup(node)` runs before the node starts (to attach services). `node.members` is its Membership.
+    """
+    from beeswarm.p2p import identity
+    from beeswarm.p2p.membership import Membership, NodeInfo
+    from beeswarm.p2p.node import Node, NodeConfig
+    from helpers import INTERVAL, LOCAL
+
+    started = []
+
+    def make(n=1, secret=None, bootstrap=None, members=True, info=None, setup=None):
+        out = []
+        for _ in range(n):
+            me = identity.ephemeral()
+            boot = bootstrap if bootstrap is not None else ([out[0].addrs[0]] if out else [])
+            node = Node(me, NodeConfig(listen=LOCAL, bootstrap=boot, secret=secret))
+            node.members = None
+            if members:
+                node.members = Membership(node, info(me.peer_id) if info else NodeInfo(peer=me.peer_id),
+                                          interval=INTERVAL)
+                node.members.start()
+            if setup:
+                setup(node)
+            node.start()
+            started.append(node)
+            out.append(node)
+        return out
+
+    yield make
+    for node in started:
+        node.stop()

@@ -12,47 +12,27 @@ from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.service import (
     CoordinatorService, PlanState, cluster_from_members, next_assignment, pipelines_tokens_per_s)
 from beeswarm.p2p import identity, wire
-from beeswarm.p2p.membership import Membership, NodeInfo
-from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.p2p.membership import NodeInfo
 from beeswarm.p2p.probe import Prober
+from helpers import INTERVAL, wait_for
 
-INTERVAL = 1.0
 MODEL = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
 
 
-def wait_for(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 @pytest.fixture
-def contributors():
-    started = []
+def contributors(mesh):
+    def info(peer):
+        return NodeInfo(peer=peer, memory_bytes=40_000_000, state="serving",
+                        bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.1})
+
+    def setup(node):
+        node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
+        node.coord.start()
 
     def make(n: int, bootstrap: str | None = None):
-        out = []
-        for _ in range(n):
-            me = identity.ephemeral()
-            boot = [bootstrap] if bootstrap else ([out[0].addrs[0]] if out else [])
-            node = Node(me, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot))
-            info = NodeInfo(peer=me.peer_id, memory_bytes=40_000_000, state="serving",
-                            bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.1})
-            node.members = Membership(node, info, interval=INTERVAL)
-            node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
-            node.members.start()
-            node.coord.start()
-            node.start()
-            started.append(node)
-            out.append(node)
-        return out
+        return mesh(n, bootstrap=[bootstrap] if bootstrap else None, info=info, setup=setup)
 
-    yield make
-    for node in started:
-        node.stop()
+    return make
 
 
 def leaders(nodes):

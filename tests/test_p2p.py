@@ -13,47 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from beeswarm.p2p import identity, wire
-from beeswarm.p2p.membership import Membership, NodeInfo
-from beeswarm.p2p.node import Channel, Node, NodeConfig, PeerUnavailable
+from beeswarm.p2p import wire
+from beeswarm.p2p.node import Channel, PeerUnavailable
 from beeswarm.p2p.probe import Prober
-
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-INTERVAL = 1.0
-
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
+from helpers import INTERVAL, wait_for
 
 @pytest.fixture
-def swarm():
-    """Start nodes on demand; every node is stopped after the test."""
-    started: list[Node] = []
-
-    def make(n: int = 1, secret: bytes | None = None, bootstrap: list[str] | None = None, members: bool = True):
-        out = []
-        for _ in range(n):
-            me = identity.ephemeral()
-            boot = bootstrap if bootstrap is not None else ([started[0].addrs[0]] if started else [])
-            node = Node(me, NodeConfig(listen=LOCAL, bootstrap=boot, secret=secret))
-            node.members = Membership(node, NodeInfo(peer=me.peer_id), interval=INTERVAL) if members else None
-            if members:
-                node.members.start()
-            node.start()
-            started.append(node)
-            out.append(node)
-        return out
-
-    yield make
-    for node in started:
-        node.stop()
+def swarm(mesh):
+    return mesh
 
 
 def test_membership_converges_and_a_stopped_node_is_declared_gone(swarm):
@@ -244,3 +211,20 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_node_behind_a_relay_is_reachable_through_it(mesh):
+    (relay,) = mesh(1, members=False, setup=lambda n: setattr(n.config, "relay_service", True))
+    relay_addr = relay.addrs[0]
+
+    def behind_nat(node):
+        node.config.listen = []  # accepts no direct connections at all
+        node.config.relays = [relay_addr]
+
+    (target,) = mesh(1, bootstrap=[relay_addr], setup=behind_nat)
+    target.serve("/test/echo/1", lambda peer, msg: wire.message("echo", n=msg["n"]))
+    assert target.addrs == [f"{relay_addr}/p2p-circuit/p2p/{target.peer_id}"]
+    (source,) = mesh(1, bootstrap=[relay_addr])
+    assert source.connect(target.addrs[0]) == target.peer_id
+    assert source.request(target.peer_id, "/test/echo/1", wire.message("ping", n=5))["n"] == 5
+    wait_for(lambda: target.peer_id in source.members.view(), 10, "the relayed node in the membership")

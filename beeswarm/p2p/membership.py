@@ -17,7 +17,7 @@ import trio
 
 import beeswarm
 from beeswarm.p2p import wire
-from beeswarm.p2p.node import Node, PeerUnavailable
+from beeswarm.p2p.node import Node, NodeError, PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +148,11 @@ class Membership:
 
     async def _dial(self, info: NodeInfo) -> None:
         try:
-            for addr in info.addrs:
+            for addr in sorted(info.addrs, key=lambda a: "/p2p-circuit" in a):  # direct addresses first
                 try:
-                    await self.node._connect(_peer_info(addr), 5.0)
+                    await self.node._connect_addr(addr, 5.0)
                     return
-                except (PeerUnavailable, ValueError) as e:
+                except (PeerUnavailable, NodeError) as e:
                     log.debug("dial %s at %s: %s", info.peer, addr, e)
         finally:
             self._dialing.discard(info.peer)
@@ -179,13 +179,3 @@ class Membership:
                 self._emit("leave", info)
             self._complete_mesh()
             await trio.sleep(min(0.25, self.interval / 4))
-
-
-def _peer_info(addr: str):
-    import multiaddr
-    from libp2p.peer.peerinfo import info_from_p2p_addr
-
-    try:
-        return info_from_p2p_addr(multiaddr.Multiaddr(addr))
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(str(e)) from None

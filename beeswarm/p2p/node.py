@@ -30,6 +30,11 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
@@ -69,6 +74,8 @@ class NodeConfig:
     swarm: str = "beeswarm"
     secret: bytes | None = None  # None: an open swarm
     max_tensor_bytes: int = wire.TENSOR_LIMIT
+    relays: list[str] = field(default_factory=list)  # reserve a slot on these and announce the relayed address
+    relay_service: bool = False  # relay circuits for peers that cannot be dialled
 
 
 Handler = Callable[[str, dict], Any]  # (peer id, message) -> reply message; sync runs in a worker thread
@@ -216,6 +223,8 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self._host = None
         self._pubsub: Pubsub | None = None
+        self._relay: CircuitV2Transport | None = None
+        self.relayed_addrs: list[str] = []
         self.on_peer_connected: list[Callable[[str], None]] = []
         self.on_peer_disconnected: list[Callable[[str], None]] = []
 
@@ -294,6 +303,9 @@ class Node:
                            heartbeat_initial_delay=0.1, eclipse_protection_enabled=False,
                            max_messages_per_topic_per_second=50.0)
         self._pubsub = Pubsub(host, router, max_inbound_rpc_size=wire.CONTROL_LIMIT * 4)
+        limits = RelayLimits(duration=24 * 3600, data=1 << 40, max_circuit_conns=64, max_reservations=64)
+        circuits = CircuitV2Protocol(host, limits=limits, allow_hop=self.config.relay_service)
+        roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if self.config.relay_service else RelayRole(0))
         with trio.CancelScope() as scope:
             async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -301,7 +313,11 @@ class Node:
                 host.set_stream_handler(TProtocol(auth.PROTOCOL), self._on_auth_stream)
                 for protocol, wrapped in self._handlers.items():
                     host.set_stream_handler(TProtocol(protocol), wrapped)
-                async with background_trio_service(self._pubsub), background_trio_service(router):
+                async with background_trio_service(self._pubsub), background_trio_service(router), \
+                        background_trio_service(circuits):
+                    self._relay = CircuitV2Transport(host, circuits, RelayConfig(roles=roles, limits=limits))
+                    for addr in self.config.relays:
+                        await self._reserve(addr)
                     await self._pubsub.wait_until_ready()
                     for topic, callback in self._subscriptions:
                         await self._subscribe(topic, callback)
@@ -338,16 +354,48 @@ class Node:
         for a in self._host.get_addrs():
             text = str(a)
             out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
-        return out
+        return out + self.relayed_addrs
 
     def connect(self, addr: str, timeout: float = 10.0) -> str:
-        """Dial a multiaddr ending in /p2p/<peer id>; returns the peer id."""
+        """Dial a multiaddr ending in /p2p/<peer id> (relayed: .../p2p-circuit/p2p/<id>); returns the peer id."""
+        return self._run(self._connect_addr, addr, timeout)
+
+    async def _connect_addr(self, addr: str, timeout: float) -> str:
         try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+            maddr = multiaddr.Multiaddr(addr)
+            info = info_from_p2p_addr(maddr)
         except Exception as e:  # noqa: BLE001
             raise NodeError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id> ({e})") from None
-        self._run(self._connect, info, timeout)
+        if "/p2p-circuit" not in addr:
+            await self._connect(info, timeout)
+            return str(info.peer_id)
+        relay_part = addr.split("/p2p-circuit")[0]
+        await self._connect(info_from_p2p_addr(multiaddr.Multiaddr(relay_part)), timeout)
+        try:
+            with trio.fail_after(timeout):
+                await self._relay.dial(maddr)
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"relayed connection to {info.peer_id} timed out") from None
+        except Exception as e:  # noqa: BLE001
+            raise PeerUnavailable(f"cannot reach {info.peer_id} through {relay_part}: {e}") from None
         return str(info.peer_id)
+
+    async def _reserve(self, relay_addr: str) -> None:
+        """Take a slot on a relay and announce the address peers can reach us through."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
+            await self._connect(info, 10.0)
+            with trio.fail_after(10.0):
+                stream = await self._host.new_stream(info.peer_id, [RELAY_HOP])
+                ok = await self._relay.reserve(stream, info.peer_id, self._nursery)
+        except Exception as e:  # noqa: BLE001
+            log.error("no reservation on relay %s: %s", relay_addr, e)
+            return
+        if not ok:
+            log.error("relay %s refused a reservation", relay_addr)
+            return
+        self.relayed_addrs.append(f"{relay_addr}/p2p-circuit/p2p/{self.peer_id}")
+        log.info("reachable through relay %s", relay_addr)
 
     async def _connect(self, info, timeout: float) -> None:
         if self.bans.is_banned(str(info.peer_id)):
