@@ -9,12 +9,10 @@ writer that waits more than 5 s for one).
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import inspect
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +39,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from beeswarm.p2p import auth, wire
 from beeswarm.p2p.bans import BanList
+from beeswarm.p2p.channel import (  # noqa: F401 - errors re-exported for callers of the node
+    Channel, ChannelClosed, NodeError, PeerUnavailable, close_stream, quiet_reset, within)
 from beeswarm.p2p.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -51,19 +51,6 @@ REQUEST_READ_TIMEOUT_S = 30.0
 IDLE_STREAM_S = 60.0  # a reused request stream idle this long is closed by the server
 MAX_IDLE_STREAMS = 4  # per (peer, protocol)
 STOP_TIMEOUT_S = 2.0
-CHANNEL_BUFFER_LIMIT = 1024 * 1024 * 1024
-
-
-class NodeError(Exception):
-    """The node cannot do what was asked (not started, bad address, peer unreachable)."""
-
-
-class PeerUnavailable(NodeError):
-    """The peer could not be reached, or the stream to it broke."""
-
-
-class ChannelClosed(NodeError):
-    """The channel was closed by either side or its connection broke."""
 
 
 @dataclass
@@ -79,103 +66,6 @@ class NodeConfig:
 
 
 Handler = Callable[[str, dict], Any]  # (peer id, message) -> reply message; sync runs in a worker thread
-
-
-class Channel:
-    """A long-lived duplex stream of frames to one peer. `send`/`recv` may be called from any thread."""
-
-    def __init__(self, node: Node, stream, peer: str, protocol: str, limit: int):
-        self.node, self.peer, self.protocol, self.limit = node, peer, protocol, limit
-        self._stream = stream
-        self._frames: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
-        self._cond = threading.Condition()
-        self._closed: str | None = None
-        self._send_lock = trio.Lock()
-
-    # trio side --------------------------------------------------------------------------------
-    async def _reader(self) -> None:
-        try:
-            while True:
-                body = await wire.read_frame(self._stream, self.limit)
-                with self._cond:
-                    if self._buffered + len(body) > CHANNEL_BUFFER_LIMIT:
-                        raise wire.ProtocolError("peer outran the channel buffer")
-                    self._frames.append(body)
-                    self._buffered += len(body)
-                    self._cond.notify_all()
-        except wire.ProtocolError as e:
-            if "stream ended" not in str(e):
-                self.node._strike(self.peer, f"{self.protocol}: {e}")
-            self._mark_closed(str(e))
-        except Exception as e:  # noqa: BLE001 - resets, EOF, connection loss
-            self._mark_closed(f"{type(e).__name__}: {e}")
-        finally:
-            with trio.CancelScope(shield=True):
-                await _quiet_reset(self._stream)
-
-    async def _send(self, body: bytes) -> None:
-        async with self._send_lock:
-            await wire.write_frame(self._stream, body)
-
-    def _mark_closed(self, why: str) -> None:
-        with self._cond:
-            if self._closed is None:
-                self._closed = why or "closed"
-            self._cond.notify_all()
-
-    # any thread -------------------------------------------------------------------------------
-    def send(self, body: bytes, timeout: float = 60.0) -> None:
-        if self._closed is not None:
-            raise ChannelClosed(f"channel to {self.peer} is closed: {self._closed}")
-        if len(body) > self.limit:
-            raise NodeError(f"frame of {len(body)} bytes exceeds the channel's {self.limit}-byte limit")
-        try:
-            self.node._run(self._send_with_timeout, body, timeout)
-        except (wire.ProtocolError, PeerUnavailable, TimeoutError) as e:
-            self._mark_closed(str(e))
-            raise ChannelClosed(f"channel to {self.peer} broke: {e}") from None
-
-    async def _send_with_timeout(self, body: bytes, timeout: float) -> None:
-        try:
-            with trio.fail_after(timeout):
-                await self._send(body)
-        except trio.TooSlowError:
-            raise TimeoutError(f"send to {self.peer} took over {timeout} s") from None
-        except Exception as e:  # noqa: BLE001 - stream errors of many kinds
-            raise PeerUnavailable(f"{type(e).__name__}: {e}") from None
-
-    def recv(self, timeout: float | None = None) -> bytes:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._frames:
-                if self._closed is not None:
-                    raise ChannelClosed(f"channel to {self.peer} is closed: {self._closed}")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
-                self._cond.wait(left)
-            body = self._frames.popleft()
-            self._buffered -= len(body)
-            return body
-
-    @property
-    def closed(self) -> bool:
-        return self._closed is not None and not self._frames
-
-    def close(self) -> None:
-        self._mark_closed("closed locally")
-        try:
-            self.node._run(_quiet_reset, self._stream)
-        except NodeError:
-            pass
-
-
-async def _quiet_reset(stream) -> None:
-    try:
-        await stream.reset()
-    except Exception:  # noqa: BLE001 - already gone
-        pass
 
 
 class _ConnectionWatcher(INotifee):
@@ -371,13 +261,7 @@ class Node:
             return str(info.peer_id)
         relay_part = addr.split("/p2p-circuit")[0]
         await self._connect(info_from_p2p_addr(multiaddr.Multiaddr(relay_part)), timeout)
-        try:
-            with trio.fail_after(timeout):
-                await self._relay.dial(maddr)
-        except trio.TooSlowError:
-            raise PeerUnavailable(f"relayed connection to {info.peer_id} timed out") from None
-        except Exception as e:  # noqa: BLE001
-            raise PeerUnavailable(f"cannot reach {info.peer_id} through {relay_part}: {e}") from None
+        await within(timeout, f"reaching {info.peer_id} through {relay_part}", self._relay.dial, maddr)
         return str(info.peer_id)
 
     async def _reserve(self, relay_addr: str) -> None:
@@ -400,13 +284,7 @@ class Node:
     async def _connect(self, info, timeout: float) -> None:
         if self.bans.is_banned(str(info.peer_id)):
             raise PeerUnavailable(f"{info.peer_id} is banned")
-        try:
-            with trio.fail_after(timeout):
-                await self._host.connect(info)
-        except trio.TooSlowError:
-            raise PeerUnavailable(f"connecting to {info.peer_id} timed out") from None
-        except Exception as e:  # noqa: BLE001
-            raise PeerUnavailable(f"cannot connect to {info.peer_id}: {e}") from None
+        await within(timeout, f"connecting to {info.peer_id}", self._host.connect, info)
 
     async def _keep_connected(self, addr: str) -> None:
         """Dial a bootstrap address, and again whenever the connection drops."""
@@ -489,7 +367,7 @@ class Node:
                     reply = wire.expect(wire.unpack(await wire.read_frame(stream, wire.CONTROL_LIMIT)), "proof",
                                         nonce=bytes, mac=bytes)
                 finally:
-                    await _quiet_reset(stream)
+                    await quiet_reset(stream)
             ok = auth.verify(self._mac_key, peer, self.peer_id, challenge, reply["nonce"], reply["mac"])
         except Exception as e:  # noqa: BLE001 - timeouts, protocol errors, resets
             log.info("auth of %s failed: %s: %s", peer, type(e).__name__, e)
@@ -525,7 +403,7 @@ class Node:
         except Exception as e:  # noqa: BLE001
             log.debug("auth stream from %s: %s", peer, e)
         finally:
-            await _close(stream)  # a reset could overtake the proof still in flight
+            await close_stream(stream)  # a reset could overtake the proof still in flight
 
     async def _admit(self, peer: str) -> bool:
         """May `peer` be served? Not when banned; in a private swarm, only once it passed the challenge."""
@@ -581,7 +459,7 @@ class Node:
         except Exception as e:  # noqa: BLE001 - the peer went away mid-request
             log.debug("request stream %s from %s: %s", protocol, peer, e)
         finally:
-            await _close(stream)
+            await close_stream(stream)
 
     async def _handle(self, protocol: str, handler: Handler, peer: str, msg: dict) -> dict:
         try:
@@ -621,7 +499,7 @@ class Node:
                         await wire.write_frame(stream, body)
                         reply = wire.unpack(await wire.read_frame(stream, limit), limit)
                     except Exception:  # noqa: BLE001
-                        await _quiet_reset(stream)
+                        await quiet_reset(stream)
                         if from_pool:
                             continue  # the reused stream had gone stale (idle close, peer restart): a fresh one
                         raise
@@ -629,7 +507,7 @@ class Node:
                     if len(idle) < MAX_IDLE_STREAMS:
                         idle.append(stream)
                     else:
-                        await _close(stream)
+                        await close_stream(stream)
                     return reply
         except trio.TooSlowError:
             raise TimeoutError(f"{protocol} request to {peer} timed out after {timeout} s") from None
@@ -664,7 +542,7 @@ class Node:
     async def _on_channel_stream(self, protocol: str, on_channel, limit: int, stream) -> None:
         peer = str(stream.muxed_conn.peer_id)
         if not await self._admit(peer):
-            await _quiet_reset(stream)
+            await quiet_reset(stream)
             return
         channel = Channel(self, stream, peer, protocol, limit)
         self._nursery.start_soon(channel._reader)
@@ -673,7 +551,7 @@ class Node:
         except Exception:  # noqa: BLE001
             log.exception("channel handler for %s failed", protocol)
             channel._mark_closed("handler failed")
-            await _quiet_reset(stream)
+            await quiet_reset(stream)
 
     def open_channel(self, peer: str, protocol: str, timeout: float = 10.0, limit: int | None = None) -> Channel:
         return self._run(self._open_channel, peer, protocol, timeout, limit or self.config.max_tensor_bytes)
@@ -739,10 +617,3 @@ class Node:
         self._tasks.append(fn)
         if self._nursery is not None and self._ready.is_set():
             self._run_sync(self._nursery.start_soon, fn)
-
-
-async def _close(stream) -> None:
-    try:
-        await stream.close()
-    except Exception:  # noqa: BLE001
-        await _quiet_reset(stream)

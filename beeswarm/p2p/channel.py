@@ -1,0 +1,144 @@
+"""Streams between peers: errors, a framed duplex channel, and small helpers every protocol uses."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from beeswarm.p2p import wire
+
+if TYPE_CHECKING:
+    from beeswarm.p2p.node import Node
+
+CHANNEL_BUFFER_LIMIT = 1024 * 1024 * 1024
+
+
+class NodeError(Exception):
+    """The node cannot do what was asked (not started, bad address, peer unreachable)."""
+
+
+class PeerUnavailable(NodeError):
+    """The peer could not be reached, or the stream to it broke."""
+
+
+class ChannelClosed(NodeError):
+    """The channel was closed by either side or its connection broke."""
+
+
+class Channel:
+    """A long-lived duplex stream of frames to one peer. `send`/`recv` may be called from any thread."""
+
+    def __init__(self, node: Node, stream, peer: str, protocol: str, limit: int):
+        self.node, self.peer, self.protocol, self.limit = node, peer, protocol, limit
+        self._stream = stream
+        self._frames: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._cond = threading.Condition()
+        self._closed: str | None = None
+        self._send_lock = trio.Lock()
+
+    # trio side --------------------------------------------------------------------------------
+    async def _reader(self) -> None:
+        try:
+            while True:
+                body = await wire.read_frame(self._stream, self.limit)
+                with self._cond:
+                    if self._buffered + len(body) > CHANNEL_BUFFER_LIMIT:
+                        raise wire.ProtocolError("peer outran the channel buffer")
+                    self._frames.append(body)
+                    self._buffered += len(body)
+                    self._cond.notify_all()
+        except wire.ProtocolError as e:
+            if "stream ended" not in str(e):
+                self.node._strike(self.peer, f"{self.protocol}: {e}")
+            self._mark_closed(str(e))
+        except Exception as e:  # noqa: BLE001 - resets, EOF, connection loss
+            self._mark_closed(f"{type(e).__name__}: {e}")
+        finally:
+            with trio.CancelScope(shield=True):
+                await quiet_reset(self._stream)
+
+    async def _send(self, body: bytes) -> None:
+        async with self._send_lock:
+            await wire.write_frame(self._stream, body)
+
+    def _mark_closed(self, why: str) -> None:
+        with self._cond:
+            if self._closed is None:
+                self._closed = why or "closed"
+            self._cond.notify_all()
+
+    # any thread -------------------------------------------------------------------------------
+    def send(self, body: bytes, timeout: float = 60.0) -> None:
+        if self._closed is not None:
+            raise ChannelClosed(f"channel to {self.peer} is closed: {self._closed}")
+        if len(body) > self.limit:
+            raise NodeError(f"frame of {len(body)} bytes exceeds the channel's {self.limit}-byte limit")
+        try:
+            self.node._run(self._send_with_timeout, body, timeout)
+        except (wire.ProtocolError, PeerUnavailable, TimeoutError) as e:
+            self._mark_closed(str(e))
+            raise ChannelClosed(f"channel to {self.peer} broke: {e}") from None
+
+    async def _send_with_timeout(self, body: bytes, timeout: float) -> None:
+        try:
+            with trio.fail_after(timeout):
+                await self._send(body)
+        except trio.TooSlowError:
+            raise TimeoutError(f"send to {self.peer} took over {timeout} s") from None
+        except Exception as e:  # noqa: BLE001 - stream errors of many kinds
+            raise PeerUnavailable(f"{type(e).__name__}: {e}") from None
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._frames:
+                if self._closed is not None:
+                    raise ChannelClosed(f"channel to {self.peer} is closed: {self._closed}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
+                self._cond.wait(left)
+            body = self._frames.popleft()
+            self._buffered -= len(body)
+            return body
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None and not self._frames
+
+    def close(self) -> None:
+        self._mark_closed("closed locally")
+        try:
+            self.node._run(quiet_reset, self._stream)
+        except NodeError:
+            pass
+
+
+async def quiet_reset(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+async def within(timeout: float, what: str, fn: Callable, *args):
+    """Await fn(*args) within `timeout`; any failure becomes PeerUnavailable naming `what`."""
+    try:
+        with trio.fail_after(timeout):
+            return await fn(*args)
+    except trio.TooSlowError:
+        raise PeerUnavailable(f"{what} timed out after {timeout} s") from None
+    except Exception as e:  # noqa: BLE001 - refused, reset, unreachable
+        raise PeerUnavailable(f"{what}: {e}") from None
+
+
+async def close_stream(stream) -> None:
+    try:
+        await stream.close()
+    except Exception:  # noqa: BLE001
+        await quiet_reset(stream)
