@@ -43,9 +43,12 @@ class Channel:
 
     # trio side --------------------------------------------------------------------------------
     async def _reader(self) -> None:
+        frames = wire.FrameReader(self._stream, self.limit)
         try:
             while True:
-                body = await wire.read_frame(self._stream, self.limit)
+                body = await frames.next()
+                if body is None:
+                    raise wire.ProtocolError("stream ended")
                 with self._cond:
                     if self._buffered + len(body) > CHANNEL_BUFFER_LIMIT:
                         raise wire.ProtocolError("peer outran the channel buffer")

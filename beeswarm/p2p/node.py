@@ -102,7 +102,7 @@ class Node:
         self._handlers: dict[str, Callable] = {}
         self._subscriptions: list[tuple[str, Callable[[str, dict], None]]] = []
         self._tasks: list[Callable] = []
-        self._idle_streams: dict[tuple[str, str], list] = {}
+        self._idle_streams: dict[tuple[str, str], list[tuple[Any, wire.FrameReader]]] = {}
         self._authed: dict[str, trio.Event] = {}
         self._mac_key = auth.mac_key(self.config.secret) if self.config.secret else None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -438,14 +438,14 @@ class Node:
         try:
             if not await self._admit(peer):
                 return
-            first = True
+            first, frames = True, wire.FrameReader(stream, limit)
             while True:
                 try:
                     with trio.fail_after(REQUEST_READ_TIMEOUT_S if first else IDLE_STREAM_S):
-                        header = await stream.read(4)
-                        if not header:
+                        body = await frames.next()
+                        if body is None:
                             return  # the client closed its end: done
-                        msg = wire.unpack(await wire.read_rest(stream, header, limit), limit)
+                        msg = wire.unpack(body, limit)
                 except trio.TooSlowError:
                     if first:
                         self._strike(peer, f"{protocol}: request too slow")
@@ -484,8 +484,18 @@ class Node:
             raise wire.RemoteError(str(reply.get("error")))
         return reply
 
+    # asyncio callers (the Textual apps) await these; each runs the blocking call in a worker thread.
     async def arequest(self, *args, **kwargs) -> dict:
         return await asyncio.to_thread(self.request, *args, **kwargs)
+
+    async def aconnect(self, *args, **kwargs) -> str:
+        return await asyncio.to_thread(self.connect, *args, **kwargs)
+
+    async def aopen_channel(self, *args, **kwargs) -> Channel:
+        return await asyncio.to_thread(self.open_channel, *args, **kwargs)
+
+    async def apublish(self, *args, **kwargs) -> None:
+        return await asyncio.to_thread(self.publish, *args, **kwargs)
 
     async def _request(self, peer: str, protocol: str, body: bytes, timeout: float, limit: int) -> dict:
         key = (peer, protocol)
@@ -494,10 +504,14 @@ class Node:
                 while True:
                     pooled = self._idle_streams.get(key)
                     from_pool = bool(pooled)
-                    stream = pooled.pop() if from_pool else await self._open_stream(peer, protocol)
+                    if from_pool:
+                        stream, frames = pooled.pop()
+                    else:
+                        stream = await self._open_stream(peer, protocol)
+                        frames = wire.FrameReader(stream, limit)
                     try:
                         await wire.write_frame(stream, body)
-                        reply = wire.unpack(await wire.read_frame(stream, limit), limit)
+                        reply = wire.unpack(await frames.expect(), limit)
                     except Exception:  # noqa: BLE001
                         await quiet_reset(stream)
                         if from_pool:
@@ -505,7 +519,7 @@ class Node:
                         raise
                     idle = self._idle_streams.setdefault(key, [])
                     if len(idle) < MAX_IDLE_STREAMS:
-                        idle.append(stream)
+                        idle.append((stream, frames))
                     else:
                         await close_stream(stream)
                     return reply

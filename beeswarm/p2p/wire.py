@@ -85,14 +85,42 @@ async def read_frame(stream, limit: int) -> bytes:
     return await read_exactly(stream, length)
 
 
-async def read_rest(stream, header: bytes, limit: int) -> bytes:
-    """The body of a frame whose first header bytes were already read."""
-    if len(header) < _LEN.size:
-        header += await read_exactly(stream, _LEN.size - len(header))
-    (length,) = _LEN.unpack(header)
-    if length > limit:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {limit}-byte limit")
-    return await read_exactly(stream, length)
+class FrameReader:
+    """Reads frames from one stream through a buffer: one `stream.read` per frame, not two or more."""
+
+    CHUNK = 256 * 1024
+
+    def __init__(self, stream, limit: int):
+        self.stream, self.limit = stream, limit
+        self._buf = bytearray()
+
+    async def _fill(self, n: int, what: str) -> bool:
+        while len(self._buf) < n:
+            chunk = await self.stream.read(max(self.CHUNK, n - len(self._buf)))
+            if not chunk:
+                if not self._buf and what == "header":
+                    return False
+                raise ProtocolError(f"stream ended inside a frame {what} ({len(self._buf)} of {n} bytes)")
+            self._buf += chunk
+        return True
+
+    async def next(self) -> bytes | None:
+        """The next frame's body, or None when the peer closed the stream between frames."""
+        if not await self._fill(_LEN.size, "header"):
+            return None
+        (length,) = _LEN.unpack_from(self._buf)
+        if length > self.limit:
+            raise ProtocolError(f"frame of {length} bytes exceeds the {self.limit}-byte limit")
+        await self._fill(_LEN.size + length, "body")
+        body = bytes(self._buf[_LEN.size:_LEN.size + length])
+        del self._buf[:_LEN.size + length]
+        return body
+
+    async def expect(self) -> bytes:
+        body = await self.next()
+        if body is None:
+            raise ProtocolError("stream ended before a frame")
+        return body
 
 
 async def write_frame(stream, body: bytes) -> None:
