@@ -228,3 +228,17 @@ def test_a_node_behind_a_relay_is_reachable_through_it(mesh):
     assert source.connect(target.addrs[0]) == target.peer_id
     assert source.request(target.peer_id, "/test/echo/1", wire.message("ping", n=5))["n"] == 5
     wait_for(lambda: target.peer_id in source.members.view(), 10, "the relayed node in the membership")
+
+
+def test_hostile_gossip_is_dropped_and_counted(mesh):
+    honest, evil = mesh(2)
+    wait_for(lambda: evil.peer_id in honest.members.view(), 10, "the evil node to join")
+    topic = honest.topic("members")
+    forged = {**honest.members.info.to_wire(), "peer": "12D3KooWSomebodyElse"}  # impersonation
+    for msg in (wire.message("heartbeat", info="not a map"), wire.message("heartbeat", info=forged),
+                wire.message("heartbeat", info={**evil.members.info.to_wire(), "memory_bytes": "lots"}),
+                {"t": "heartbeat"}, wire.message("mystery")):
+        evil.publish(topic, msg)
+    wait_for(lambda: honest.bans.is_banned(evil.peer_id), 10, "the gossiping peer to be banned")
+    assert set(honest.members.view()) <= {evil.peer_id}
+    assert "12D3KooWSomebodyElse" not in honest.members.view()
