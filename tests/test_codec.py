@@ -153,7 +153,7 @@ def test_small_frame_cannot_cause_a_large_allocation():
     # A zstd plane declaring more content than the shape allows.
     arr = np.zeros(4096, np.float32)
     good = bytearray(codec.encode(arr, "float32", arr.shape, layout="zstd"))
-    bomb = frame._compressor.compress(bytes(10_000_000))
+    bomb = frame._compressor().compress(bytes(10_000_000))
     forged = bytes(good[:16]) + struct.pack("<2I", 4096, len(bomb)) + bomb
     with pytest.raises(CodecError, match="plane"):
         codec.decode(forged)
@@ -178,3 +178,25 @@ def test_link_codec_counts_bytes_and_time():
     assert link.frames == 3 and link.raw_bytes == 3 * arr.nbytes
     assert link.wire_bytes < link.raw_bytes and link.compression_ratio > 1.25
     assert link.encode_s > 0 and link.decode_s > 0
+
+
+def test_concurrent_encoders_and_decoders_are_safe():
+    """Stages encode and decode from several threads at once (zstd contexts are per thread)."""
+    import threading
+
+    arr = activation("bfloat16", 64 * 1024)
+    want = arr.tobytes()
+    errors = []
+
+    def work():
+        for _ in range(30):
+            out = codec.decode(codec.encode(arr, "bfloat16", arr.shape, layout="planes"))
+            if bytes(out.data) != want:
+                errors.append("mismatch")
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

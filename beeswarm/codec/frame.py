@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -56,8 +57,20 @@ class Decoded:
     layout: str
 
 
-_compressor = zstandard.ZstdCompressor(compression_params=ZSTD_PARAMS)
-_decompressor = zstandard.ZstdDecompressor()
+# zstd contexts are not thread-safe (sharing one across threads crashes): one pair per thread.
+_contexts = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_contexts, "compressor"):
+        _contexts.compressor = zstandard.ZstdCompressor(compression_params=ZSTD_PARAMS)
+    return _contexts.compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_contexts, "decompressor"):
+        _contexts.decompressor = zstandard.ZstdDecompressor()
+    return _contexts.decompressor
 
 
 def itemsize(dtype: str) -> int:
@@ -75,9 +88,9 @@ def _compress_if_worth(plane: memoryview) -> tuple[bytes | memoryview, bool]:
     n = len(plane)
     if n == 0:
         return plane, False
-    if n > PLANE_SAMPLE and len(_compressor.compress(plane[:PLANE_SAMPLE])) > PLANE_WORTH * PLANE_SAMPLE:
+    if n > PLANE_SAMPLE and len(_compressor().compress(plane[:PLANE_SAMPLE])) > PLANE_WORTH * PLANE_SAMPLE:
         return plane, False
-    packed = _compressor.compress(plane)
+    packed = _compressor().compress(plane)
     return (packed, True) if len(packed) < n else (plane, False)
 
 
@@ -89,14 +102,15 @@ def encode_layout(buffer, dtype: str, shape: tuple[int, ...], layout: str) -> by
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_NDIM or any(d < 0 or d >= 2**32 for d in shape):
         raise CodecError(f"shape: {shape} is not 0..{MAX_NDIM} dims of 0..2^32-1")
-    data = memoryview(buffer).cast("B")
+    view = memoryview(buffer)
+    data = view.cast("B") if view.nbytes else memoryview(b"")  # cast() refuses zero-size shapes
     if data.nbytes != math.prod(shape) * size:
         raise CodecError(f"buffer: holds {data.nbytes} bytes, {dtype}{list(shape)} needs {math.prod(shape) * size}")
     rotate = False
     if layout == "raw":
         stored, mask = [data], 0
     elif layout == "zstd":
-        stored, mask = [_compressor.compress(data)], 1
+        stored, mask = [_compressor().compress(data)], 1
     else:
         rotate = is_float(dtype)
         stored, mask = [], 0
@@ -122,7 +136,7 @@ def _unpack_plane(payload: memoryview, packed: bool, expected: int, index: int) 
     if declared != expected:
         raise CodecError(f"plane[{index}]: zstd declares {declared} bytes, expected {expected}")
     try:
-        out = _decompressor.decompress(payload, max_output_size=expected, allow_extra_data=False)
+        out = _decompressor().decompress(payload, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise CodecError(f"plane[{index}]: zstd error ({e})") from None
     if len(out) != expected:

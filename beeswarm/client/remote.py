@@ -1,0 +1,159 @@
+"""The entry side of the data plane: sessions over a route of stages, steps through the push chain.
+
+The entry keeps the embedding, head and sampler. A step goes entry -> s1 -> ... -> sN -> entry,
+each stage pushing straight to the next (`mode="push"`), or back to the entry after every stage
+(`mode="hops"`, the way Petals routes; kept for comparison). Every hop uses the adaptive codec.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from beeswarm import codec
+from beeswarm.contributor.stage import RESULT_PROTOCOL, SESSION_PROTOCOL, STEP_PROTOCOL, pack_mask
+from beeswarm.p2p import wire
+from beeswarm.p2p.node import Channel, ChannelClosed, Node, NodeError
+from beeswarm.shard import tensors
+from beeswarm.shard.entry import EntryModel
+
+log = logging.getLogger(__name__)
+
+
+class StageFailed(Exception):
+    """A stage timed out, went away or returned an error; `peer` names it."""
+
+    def __init__(self, peer: str, message: str):
+        super().__init__(f"stage {peer}: {message}")
+        self.peer = peer
+
+
+@dataclass(frozen=True)
+class Hop:
+    peer: str
+    start: int
+    end: int
+
+
+class RemotePipeline:
+    def __init__(self, node: Node, entry: EntryModel, route: list[Hop], mode: str = "push",
+                 link_bytes_per_s: float | None = None, step_timeout_s: float = 60.0):
+        if mode not in ("push", "hops"):
+            raise ValueError(f"mode must be push or hops, got {mode!r}")
+        if not route or route[0].start != 0 or any(a.end != b.start for a, b in zip(route, route[1:])) or \
+                route[-1].end != entry.config.num_hidden_layers:
+            raise ValueError(f"route {route} does not cover layers [0, {entry.config.num_hidden_layers}) in order")
+        self.node, self.entry, self.route, self.mode = node, entry, route, mode
+        self.step_timeout_s = step_timeout_s
+        self.links = {hop.peer: codec.LinkCodec(link_bytes_per_s) for hop in route}
+        self._results: dict[tuple[str, int], dict] = {}
+        self._cond = threading.Condition()
+        self._channels: dict[str, Channel] = {}
+        self._step_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._received = [0, 0]  # wire, raw bytes of results
+        node.serve_channel(RESULT_PROTOCOL, self._on_result_channel)
+
+    # bytes on the wire as the entry saw them (its own sends and what came back)
+    @property
+    def wire_bytes(self) -> int:
+        return sum(link.wire_bytes for link in self.links.values()) + self._received[0]
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(link.raw_bytes for link in self.links.values()) + self._received[1]
+
+    def open(self, max_length: int) -> str:
+        session = os.urandom(8).hex()
+        for i, hop in enumerate(self.route):
+            last = i == len(self.route) - 1
+            push = self.mode == "push"
+            prev = self.route[i - 1].peer if push and i > 0 else self.node.peer_id
+            nxt = self.route[i + 1].peer if push and not last else None
+            self._request(hop, wire.message("open", session=session, max_length=max_length, prev=prev, next=nxt))
+        return session
+
+    def close(self, session: str) -> None:
+        for hop in self.route:
+            try:
+                self._request(hop, wire.message("close", session=session))
+            except StageFailed as e:
+                log.debug("close: %s", e)
+
+    def keep(self, session: str, start: int, indices: list[int]) -> None:
+        for hop in self.route:
+            self._request(hop, wire.message("keep", session=session, start=start, indices=indices))
+
+    def _request(self, hop: Hop, msg: dict) -> dict:
+        try:
+            return self.node.request(hop.peer, SESSION_PROTOCOL, msg, timeout=self.step_timeout_s)
+        except (NodeError, TimeoutError, wire.RemoteError) as e:
+            raise StageFailed(hop.peer, str(e)) from None
+
+    def forward(self, session: str, token_ids: torch.Tensor, start: int,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `token_ids` placed at `start` (the stages roll their KV back to it first)."""
+        hidden = self.entry.embed(token_ids)
+        hops = self.route if self.mode == "hops" else self.route[:1]
+        for hop in hops:
+            step = next(self._step_ids)
+            msg = wire.message("step", entry=self.node.peer_id, session=session, step=step, start=start,
+                               frame=tensors.encode(hidden, self.links[hop.peer]), mask=pack_mask(tree_mask))
+            try:
+                self._channel(hop.peer).send(wire.pack(msg))
+            except NodeError as e:
+                raise StageFailed(hop.peer, str(e)) from None
+            hidden = self._await(session, step, hop)
+        return self.entry.logits(hidden)
+
+    def _await(self, session: str, step: int, hop: Hop) -> torch.Tensor:
+        key = (session, step)
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._results, timeout=self.step_timeout_s):
+                raise StageFailed(hop.peer, f"no result for step {step} within {self.step_timeout_s} s")
+            reply = self._results.pop(key)
+        if reply["t"] == "step_error":
+            layers = reply.get("layers") or []
+            culprit = next((h.peer for h in self.route if [h.start, h.end] == list(layers)), hop.peer)
+            raise StageFailed(culprit, str(reply.get("error")))
+        last = self.route[-1] if self.mode == "push" else hop
+        out = tensors.decode(reply["frame"], self.links[last.peer], self.node.config.max_tensor_bytes)
+        with self._lock:
+            self._received[0] += len(reply["frame"])
+            self._received[1] += out.numel() * out.element_size()
+        return out
+
+    def _channel(self, peer: str) -> Channel:
+        with self._lock:
+            channel = self._channels.get(peer)
+            if channel is None or channel.closed:
+                channel = self._channels[peer] = self.node.open_channel(peer, STEP_PROTOCOL)
+            return channel
+
+    def _on_result_channel(self, channel: Channel) -> None:
+        threading.Thread(target=self._read_results, args=(channel,), name="entry-results", daemon=True).start()
+
+    def _read_results(self, channel: Channel) -> None:
+        stages = {hop.peer for hop in self.route}
+        while True:
+            try:
+                body = channel.recv()
+            except (ChannelClosed, TimeoutError):
+                return
+            try:
+                msg = wire.expect(wire.unpack(body, self.node.config.max_tensor_bytes), ("result", "step_error"),
+                                  session=str, step=int)
+                if channel.peer not in stages:
+                    raise wire.ProtocolError("results from a peer outside the route")
+                if msg["t"] == "result":
+                    wire.expect(msg, "result", frame=bytes)
+            except wire.ProtocolError as e:
+                self.node._run_sync(self.node._strike, channel.peer, f"result: {e}")
+                continue
+            with self._cond:
+                self._results[(msg["session"], msg["step"])] = msg
+                self._cond.notify_all()

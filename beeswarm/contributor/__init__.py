@@ -1,0 +1,1 @@
+"""The contributor side: serving a span of layers to the swarm."""

@@ -1,0 +1,262 @@
+"""A contributor's stage server: sessions on its span, batched steps, and the push chain.
+
+Protocols:
+- `/beeswarm/session/1` (request/response): open (allocates KV, records the previous and next hop),
+  keep (compact after speculative verification), close.
+- `/beeswarm/step/1` (channels): a step carries (session, step id, start, optional tree mask, hidden
+  frame). The stage runs its layers and pushes the result straight to the next stage; the last
+  stage (or every stage in client-hops mode) sends it to the entry on `/beeswarm/result/1`.
+Steps of concurrent sessions are batched into one call of the span runtime. Sessions belong to the
+entry that opened them, and steps are only taken from the hop named at open, so a peer can never
+touch another entry's session. Bad steps get an error sent to the session's entry; the stage keeps
+serving everyone else.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from beeswarm import codec
+from beeswarm.p2p import wire
+from beeswarm.p2p.node import Channel, ChannelClosed, Node, NodeError
+from beeswarm.shard import tensors
+from beeswarm.shard.errors import SessionError
+from beeswarm.shard.span import SpanRuntime, StepInput
+
+log = logging.getLogger(__name__)
+
+SESSION_PROTOCOL = "/beeswarm/session/1"
+STEP_PROTOCOL = "/beeswarm/step/1"
+RESULT_PROTOCOL = "/beeswarm/result/1"
+MAX_BATCH = 16
+MAX_SESSIONS_PER_PEER = 64
+
+
+@dataclass
+class _Session:
+    key: str  # "<entry peer>/<session id>": the runtime's session id
+    entry: str
+    session: str
+    prev: str  # the only peer whose steps are accepted
+    next: str | None  # None: return results to the entry
+    last_used: float
+
+
+@dataclass
+class _Step:
+    sender: str
+    msg: dict
+
+
+def pack_mask(mask: torch.Tensor | None) -> bytes | None:
+    return None if mask is None else tensors.encode(mask.to(torch.uint8), layout="raw")
+
+
+def unpack_mask(data: bytes | None, q: int) -> torch.Tensor | None:
+    if data is None:
+        return None
+    mask = tensors.decode(data, max_bytes=q * q)
+    if mask.dtype != torch.uint8 or tuple(mask.shape) != (q, q):
+        raise wire.ProtocolError(f"tree mask must be uint8 ({q}, {q})")
+    return mask.bool()
+
+
+class StageServer:
+    def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
+                 link_bytes_per_s: float | None = None):
+        self.node, self.runtime, self.idle_timeout_s = node, runtime, idle_timeout_s
+        self.link_bytes_per_s = link_bytes_per_s
+        self.sessions: dict[str, _Session] = {}
+        self.steps_done = 0
+        self._queue: queue.Queue[_Step | None] = queue.Queue()
+        self._out: dict[tuple[str, str], Channel] = {}  # (peer, protocol) -> channel
+        self._codecs: dict[str, codec.LinkCodec] = {}
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+
+    def start(self) -> StageServer:
+        self.node.serve(SESSION_PROTOCOL, self._on_session)
+        self.node.serve_channel(STEP_PROTOCOL, self._on_step_channel)
+        self._worker = threading.Thread(target=self._compute_loop, name="stage-compute", daemon=True)
+        self._worker.start()
+        return self
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        if self._worker is not None:
+            self._worker.join(10)
+
+    def link(self, peer: str) -> codec.LinkCodec:
+        with self._lock:
+            return self._codecs.setdefault(peer, codec.LinkCodec(self.link_bytes_per_s))
+
+    # sessions ---------------------------------------------------------------------------------
+    def _on_session(self, peer: str, msg: dict) -> dict:
+        self._expire_idle()
+        if msg["t"] == "open":
+            wire.expect(msg, "open", session=str, max_length=int, prev=str)
+            nxt = msg.get("next")
+            if nxt is not None and not isinstance(nxt, str):
+                raise wire.ProtocolError("field 'next' of 'open' must be a peer id or null")
+            key = f"{peer}/{msg['session']}"
+            with self._lock:
+                if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
+                    return wire.error(f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})")
+            try:
+                self.runtime.open(key, msg["max_length"])
+            except SessionError as e:
+                return wire.error(str(e))
+            with self._lock:
+                self.sessions[key] = _Session(key, peer, msg["session"], msg["prev"], nxt, time.monotonic())
+            return wire.message("opened", layers=[self.runtime.span.start, self.runtime.span.end])
+        wire.expect(msg, ("close", "keep"), session=str)
+        key = f"{peer}/{msg['session']}"
+        if key not in self.sessions:
+            return wire.error(f"unknown session {msg['session']!r}")
+        if msg["t"] == "close":
+            with self._lock:
+                self.sessions.pop(key, None)
+            self.runtime.close(key)
+            return wire.message("closed")
+        wire.expect(msg, "keep", start=int, indices=list)
+        try:
+            self.runtime.keep(key, msg["start"], [int(i) for i in msg["indices"]])
+        except (SessionError, TypeError, ValueError) as e:
+            return wire.error(str(e))
+        return wire.message("kept")
+
+    def _expire_idle(self) -> None:
+        cutoff = time.monotonic() - self.idle_timeout_s
+        with self._lock:
+            stale = [s for s in self.sessions.values() if s.last_used < cutoff]
+            for s in stale:
+                del self.sessions[s.key]
+        for s in stale:
+            log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)
+            self.runtime.close(s.key)
+
+    # steps ------------------------------------------------------------------------------------
+    def _on_step_channel(self, channel: Channel) -> None:
+        threading.Thread(target=self._read_steps, args=(channel,), name="stage-steps", daemon=True).start()
+
+    def _read_steps(self, channel: Channel) -> None:
+        while True:
+            try:
+                body = channel.recv()
+            except (ChannelClosed, TimeoutError):
+                return
+            try:
+                msg = wire.unpack(body, self.node.config.max_tensor_bytes)
+                wire.expect(msg, "step", entry=str, session=str, step=int, start=int, frame=bytes)
+            except wire.ProtocolError as e:
+                self.node._run_sync(self.node._strike, channel.peer, f"step: {e}")
+                continue
+            self._queue.put(_Step(channel.peer, msg))
+
+    def _compute_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, seen, later = [first], {self._key(first)}, []
+            while len(batch) < MAX_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                (later if self._key(item) in seen else batch).append(item)
+                seen.add(self._key(item))
+            for item in later:  # a second step of the same session waits for the next batch
+                self._queue.put(item)
+            self._run_batch(batch)
+
+    @staticmethod
+    def _key(item: _Step) -> str:
+        return f"{item.msg['entry']}/{item.msg['session']}"
+
+    def _run_batch(self, batch: list[_Step]) -> None:
+        ready: list[tuple[_Step, _Session, StepInput]] = []
+        for item in batch:
+            try:
+                ready.append(self._prepare(item))
+            except (wire.ProtocolError, SessionError, codec.CodecError) as e:
+                self._fail(item, str(e))
+        if not ready:
+            return
+        try:
+            outputs = self.runtime.step([x for _, _, x in ready])
+        except SessionError:
+            outputs = None  # one bad step must not sink the others: run them one by one
+        if outputs is None:
+            outputs = []
+            for item, session, step in ready:
+                try:
+                    outputs.append(self.runtime.step([step])[0])
+                except SessionError as e:
+                    self._fail(item, str(e))
+                    outputs.append(None)
+        for (item, session, _), out in zip(ready, outputs):
+            if out is not None:
+                self._forward(item, session, out)
+        self.steps_done += len(ready)
+
+    def _prepare(self, item: _Step) -> tuple[_Step, _Session, StepInput]:
+        msg = item.msg
+        session = self.sessions.get(self._key(item))
+        if session is None or session.prev != item.sender:
+            raise SessionError(f"unknown session {msg['session']!r} (or not from its previous hop)")
+        hidden = tensors.decode(msg["frame"], self.link(item.sender), self.node.config.max_tensor_bytes)
+        if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise wire.ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
+        mask = unpack_mask(msg.get("mask"), hidden.shape[0]) if hidden.dim() == 2 else None
+        session.last_used = time.monotonic()
+        return item, session, StepInput(session.key, hidden, msg["start"], mask)
+
+    def _forward(self, item: _Step, session: _Session, out: torch.Tensor) -> None:
+        msg = item.msg
+        if session.next is None:
+            target, protocol = session.entry, RESULT_PROTOCOL
+            reply = wire.message("result", session=session.session, step=msg["step"],
+                                 frame=tensors.encode(out, self.link(target)), layers=list(self._layers()))
+        else:
+            target, protocol = session.next, STEP_PROTOCOL
+            reply = {**msg, "frame": tensors.encode(out, self.link(target))}
+        self._send(target, protocol, wire.pack(reply), session)
+
+    def _layers(self) -> tuple[int, int]:
+        return self.runtime.span.start, self.runtime.span.end
+
+    def _fail(self, item: _Step, error: str) -> None:
+        log.info("step %s of %s failed: %s", item.msg.get("step"), self._key(item), error)
+        entry = item.msg["entry"]
+        body = wire.pack(wire.message("step_error", session=item.msg["session"], step=item.msg["step"],
+                                      error=error[:500], layers=list(self._layers())))
+        try:
+            self._channel(entry, RESULT_PROTOCOL).send(body)
+        except NodeError as e:
+            log.info("cannot report the error to %s: %s", entry, e)
+
+    def _send(self, peer: str, protocol: str, body: bytes, session: _Session) -> None:
+        try:
+            self._channel(peer, protocol).send(body)
+        except NodeError as e:
+            with self._lock:
+                self._out.pop((peer, protocol), None)
+            log.warning("cannot reach %s for session %s: %s", peer, session.key, e)
+
+    def _channel(self, peer: str, protocol: str) -> Channel:
+        with self._lock:
+            channel = self._out.get((peer, protocol))
+        if channel is None or channel.closed:
+            channel = self.node.open_channel(peer, protocol)
+            with self._lock:
+                self._out[(peer, protocol)] = channel
+        return channel

@@ -1,0 +1,107 @@
+"""Data plane: an entry generating through stage servers on real nodes (push chain and client hops)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from beeswarm.client.generate import generate
+from beeswarm.client.remote import Hop, RemotePipeline, StageFailed
+from beeswarm.client.sampling import SamplingParams
+from beeswarm.contributor.stage import STEP_PROTOCOL, StageServer
+from beeswarm.p2p import wire
+from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
+
+SPLITS = [(0, 3), (3, 5), (5, 8)]
+
+
+@pytest.fixture
+def chain(mesh, tiny_llama):
+    """Three stage nodes serving the tiny model's spans, and an entry node connected to all."""
+    stages = mesh(3, members=False)
+    servers = []
+    for node, (a, b) in zip(stages, SPLITS):
+        servers.append(StageServer(node, SpanRuntime(tiny_llama, Span(a, b), dtype="float32", device="cpu")).start())
+    (entry_node,) = mesh(1, members=False, bootstrap=[])
+    for node in stages:
+        entry_node.connect(node.addrs[0])
+    for a, b in zip(stages, stages[1:]):
+        a.connect(b.addrs[0])
+    entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
+    route = [Hop(node.peer_id, a, b) for node, (a, b) in zip(stages, SPLITS)]
+    yield entry_node, entry, route, stages, servers
+    for server in servers:
+        server.stop()
+
+
+def reference_greedy(folder, prompt, n):
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("mode", ["push", "hops"])
+def test_greedy_through_the_swarm_equals_transformers(chain, tiny_llama, mode):
+    entry_node, entry, route, _, _ = chain
+    pipe = RemotePipeline(entry_node, entry, route, mode=mode)
+    for prompt in ([5, 6, 7], [100, 3, 250, 17, 9, 1, 42]):
+        session = pipe.open(64)
+        got = generate(lambda t, s: pipe.forward(session, t, s), prompt, 16, SamplingParams())
+        pipe.close(session)
+        assert got.tokens == reference_greedy(tiny_llama, prompt, 16)
+    assert pipe.wire_bytes > 0 and pipe.raw_bytes > 0
+
+
+def test_concurrent_sessions_and_compression_give_identical_tokens(chain, tiny_llama):
+    entry_node, entry, route, _, servers = chain
+    slow_link = RemotePipeline(entry_node, entry, route, link_bytes_per_s=1e6)  # forces compressed frames
+    # 40-token prompts: prefill frames of 10 KB, above the size where the policy starts compressing
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(6)]
+    results = {}
+
+    def run(i):
+        try:
+            session = slow_link.open(64)
+            results[i] = generate(lambda t, s: slow_link.forward(session, t, s), prompts[i], 10,
+                                  SamplingParams()).tokens
+            slow_link.close(session)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, prompt in enumerate(prompts):
+        assert results.get(i) == reference_greedy(tiny_llama, prompt, 10), results.get(i)
+    assert slow_link.wire_bytes < slow_link.raw_bytes  # compression was on
+    assert sum(s.steps_done for s in servers) >= 3 * 6 * 10
+
+
+def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_llama):
+    entry_node, entry, route, stages, _ = chain
+    pipe = RemotePipeline(entry_node, entry, route)
+    good = pipe.open(32)
+    first = generate(lambda t, s: pipe.forward(good, t, s), [1, 2, 3], 4, SamplingParams()).tokens
+
+    bad = pipe.open(8)
+    with pytest.raises(StageFailed, match="past max_length"):
+        pipe.forward(bad, torch.arange(12), 0)
+    with pytest.raises(StageFailed, match="start 5 is past"):
+        pipe.forward(bad, torch.tensor([1]), 5)
+    with pytest.raises(StageFailed, match="unknown session"):
+        pipe.forward("no-such-session", torch.tensor([1]), 0)
+    # wrong shape and dtype, garbage, and a frame that is not a frame, straight onto the first stage
+    channel = entry_node.open_channel(route[0].peer, STEP_PROTOCOL)
+    for frame in (tensors.encode(torch.zeros(2, 3)), tensors.encode(torch.zeros(2, 64, dtype=torch.int64)), b"junk"):
+        channel.send(wire.pack(wire.message("step", entry=entry_node.peer_id, session=bad, step=10**6, start=0,
+                                            frame=frame)))
+    channel.send(b"\xff" * 100)
+    # the good session carries on where it was
+    more = generate(lambda t, s: pipe.forward(good, t, s), [1, 2, 3] + first, 4, SamplingParams()).tokens
+    assert first + more == reference_greedy(tiny_llama, [1, 2, 3], 8)
