@@ -38,56 +38,39 @@ def _sampling(args):
 
 
 def cmd_demo(args) -> int:
-    """Generate with the whole model chained through three spans in this process."""
-    from transformers import AutoTokenizer
+    """A real local swarm of 3 contributor processes plus this process as the entry; stopped after."""
+    from beeswarm.client.swarm import SwarmClient
+    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError
 
-    from beeswarm.client.generate import generate
-    from beeswarm.client.local import LocalPipeline
-    from beeswarm.client.textstream import TextStream
-
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1")
-    params = _sampling(args)
-    pipeline = LocalPipeline(args.model, stages=3, dtype=args.dtype, device=args.device)
-    tokenizer = AutoTokenizer.from_pretrained(str(pipeline.folder))
-    log.info("demo: %s in %d spans: %s", args.model, len(pipeline.spans),
-             ", ".join(f"[{s.span.start}, {s.span.end})" for s in pipeline.spans))
-
-    def run(prompt: str) -> dict:
-        ids = tokenizer.encode(prompt)
-        if not ids:
-            raise UserError("the prompt is empty")
-        needed = len(ids) + args.max_new_tokens
-        if needed > pipeline.max_length:
-            raise UserError(f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds the model's "
-                            f"{pipeline.max_length}-token context")
-        stream = TextStream(tokenizer)
-        echo = (lambda t: print(stream.push(t), end="", flush=True)) if not args.json else stream.push
-        session = pipeline.open(needed)
-        try:
-            out = generate(lambda tok, start: pipeline.forward(session, tok, start), ids, args.max_new_tokens,
-                           params, stop_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
-                           on_token=echo)
-        finally:
-            pipeline.close(session)
-        return {"text": stream.text, "tokens": out.tokens, "new_tokens": len(out.tokens),
-                "seconds": round(out.seconds, 4), "tokens_per_s": round(out.tokens_per_s, 2),
-                "ttft_s": round(out.ttft_s, 4)}
-
+    params, entry = _chat_common(args)
     if args.prompt is not None:
-        result = run(args.prompt)
-        print(json.dumps(result) if args.json else "")
-        return 0
-    if not sys.stdin.isatty():
+        _encode_prompt(entry, args)  # fail on a bad prompt before starting anything
+    elif not sys.stdin.isatty():
         raise UserError("give --prompt TEXT (reading prompts line by line needs a terminal)")
-    print(f"beeswarm demo: {args.model}, {len(pipeline.spans)} spans. One prompt per line; Ctrl-D leaves.",
-          file=sys.stderr)
-    for line in sys.stdin:
-        if line.strip():
-            print(line.rstrip("\n"), end="", flush=True)
-            result = run(line.rstrip("\n"))
-            print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s]", file=sys.stderr)
-    return 0
+    stages = min(3, entry.config.num_hidden_layers)
+    swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device)
+    client = None
+    try:
+        print(f"starting a local swarm of {stages} contributors for {args.model} "
+              f"(logs in {swarm.state_dir})...", file=sys.stderr, flush=True)
+        bootstrap = swarm.start()
+        swarm.wait_ready()
+        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"])
+        if args.prompt is not None:
+            return _run_chat(client, entry, args, params)
+        print("beeswarm demo: one prompt per line; Ctrl-D leaves.", file=sys.stderr)
+        for line in sys.stdin:
+            if line.strip():
+                args.prompt = line.rstrip("\n")
+                print(args.prompt, end="", flush=True)
+                _run_chat(client, entry, args, params)
+        return 0
+    except LocalSwarmError as e:
+        raise UserError(str(e)) from None
+    finally:
+        if client is not None:
+            client.close()
+        swarm.stop()
 
 
 def cmd_plan(args) -> int:
@@ -122,6 +105,151 @@ def cmd_plan(args) -> int:
     for node, reason in result.excluded:
         print(f"left out: {node}: {reason}")
     return 0
+
+
+def _secret(env_name: str | None) -> bytes | None:
+    """The swarm secret: --swarm-secret-env NAME, else the stored one, else None (an open swarm)."""
+    from beeswarm import secrets
+
+    if env_name:
+        value = os.environ.get(env_name)
+        if not value:
+            raise UserError(f"--swarm-secret-env {env_name}: that environment variable is empty or unset")
+        return value.encode()
+    try:
+        stored = secrets.load(SWARM_SECRET, SWARM_SECRET_ENV)
+    except secrets.SecretError as e:
+        raise UserError(str(e)) from None
+    return stored.value if stored else None
+
+
+def cmd_contribute(args) -> int:
+    """Join (or start) a swarm and serve the layers the coordinator assigns."""
+    import signal
+
+    from beeswarm.client.descriptor import DescriptorError, resolve_join
+    from beeswarm.contributor.process import Contributor, ContributorOptions
+    from beeswarm.p2p import identity
+
+    try:
+        bootstrap, descriptor = resolve_join(args.join)
+    except DescriptorError as e:
+        raise UserError(str(e)) from None
+    model = args.model or (descriptor.model if descriptor else "tinycode")
+    options = ContributorOptions(model=model, join=bootstrap, listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
+                                 announce=args.announce, relays=args.relay, device=args.device, dtype=args.dtype,
+                                 max_memory=args.max_memory, secret=_secret(args.swarm_secret_env),
+                                 interval=args.heartbeat)
+    contributor = Contributor(identity.load_or_create(), options,
+                              say=lambda line: print(line, flush=True))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: contributor.stop())
+    contributor.run()
+    return 0
+
+
+def cmd_swarm(args) -> int:
+    """Start N contributors on this machine; stop them all on Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError
+
+    swarm = LocalSwarm(args.local, args.model, args.base_port, heartbeat=args.heartbeat, device=args.device)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        bootstrap = swarm.start()
+        print(f"bootstrap {bootstrap}", flush=True)
+        print(f"descriptor {swarm.write_descriptor(bootstrap)}", flush=True)
+        swarm.wait_ready()
+        for c in swarm.children:
+            print(f"contributor {c.index} pid {c.process.pid} peer {c.peer} layers [{c.span[0]}, {c.span[1]})",
+                  flush=True)
+        print("ready", flush=True)
+        while not stop.wait(0.5):
+            if any(c.process.poll() is not None for c in swarm.children):
+                log.warning("a contributor exited; the swarm re-plans around it")
+    except LocalSwarmError as e:
+        raise UserError(str(e)) from None
+    finally:
+        swarm.stop()
+    return 0
+
+
+def _chat_common(args):
+    from beeswarm.shard import EntryModel
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    return _sampling(args), EntryModel.load(args.model, args.dtype, args.device)
+
+
+def _encode_prompt(entry, args):
+    """The tokenizer and the prompt's ids, checked against the model's context."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(entry.folder))
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise UserError("the prompt is empty")
+    if len(ids) + args.max_new_tokens > entry.config.max_position_embeddings:
+        raise UserError(f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds the model's "
+                        f"{entry.config.max_position_embeddings}-token context")
+    return tokenizer, ids
+
+
+def _run_chat(client, entry, args, params) -> int:
+    """Generate once through the swarm and print the stream or the JSON summary."""
+    from beeswarm.client.remote import StageFailed
+    from beeswarm.client.swarm import NoRoute
+    from beeswarm.client.textstream import TextStream
+
+    tokenizer, ids = _encode_prompt(entry, args)
+    stream = TextStream(tokenizer)
+    echo = stream.push if args.json else (lambda t: print(stream.push(t), end="", flush=True))
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        out = client.generate(ids, args.max_new_tokens, params, stops, echo)
+    except NoRoute as e:
+        raise UserError(f"{e}; is the swarm up? (check --join)") from None
+    except StageFailed as e:
+        raise UserError(f"the swarm kept failing: {e}") from None
+    g = out.generation
+    if args.json:
+        print(json.dumps({"text": stream.text, "tokens": g.tokens, "new_tokens": len(g.tokens),
+                          "seconds": round(g.seconds, 4), "tokens_per_s": round(g.tokens_per_s, 2),
+                          "ttft_s": round(g.ttft_s, 4),
+                          "route": [{"peer": h.peer, "start": h.start, "end": h.end} for h in out.route],
+                          "recoveries": out.recoveries, "wire_bytes": out.wire_bytes, "raw_bytes": out.raw_bytes}))
+    else:
+        print()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """Generate through a swarm: this machine holds the embedding, head and sampler."""
+    from beeswarm.client.descriptor import DescriptorError, resolve_join
+    from beeswarm.client.swarm import SwarmClient
+
+    if args.prompt is None:
+        raise UserError("give --prompt TEXT (the interactive chat arrives with the Textual app)")
+    try:
+        bootstrap, descriptor = resolve_join(args.join)
+    except DescriptorError as e:
+        raise UserError(str(e)) from None
+    if not bootstrap:
+        raise UserError("--join MULTIADDR|URL is required: the swarm to generate through")
+    if args.model is None:
+        args.model = descriptor.model if descriptor else "tinycode"
+    params, entry = _chat_common(args)
+    client = SwarmClient(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
+                         mode="hops" if args.client_hops else "push")
+    try:
+        return _run_chat(client, entry, args, params)
+    finally:
+        client.close()
 
 
 def cmd_bench(args) -> int:
@@ -199,12 +327,53 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     demo.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_demo, client_hops=False, heartbeat=1.0)
+
+    swarm = sub.add_parser("swarm", help="run a swarm of contributor processes on this machine")
+    swarm.add_argument("--local", type=int, required=True, metavar="N", help="number of contributor processes")
+    swarm.add_argument("--model", default="tinycode", help="built-in name, folder or hub id")
+    swarm.add_argument("--base-port", type=int, default=0, metavar="P", help="listen on P, P+1, ... (default: any)")
+    swarm.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    swarm.add_argument("--heartbeat", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
+    swarm.set_defaults(func=cmd_swarm)
+
+    chat = sub.add_parser("chat", help="generate text through a swarm")
+    chat.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL", help="the swarm to use")
+    chat.add_argument("--model", default=None, help="must match the swarm's model (default: the swarm's)")
+    chat.add_argument("--prompt", default=None)
+    _add_sampling(chat)
+    chat.add_argument("--no-spec", action="store_true", help="no speculative decoding (the only mode today)")
+    chat.add_argument("--client-hops", action="store_true",
+                      help="route every stage's output back through this machine (for comparison)")
+    chat.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    chat.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    chat.add_argument("--swarm-secret-env", default=None, metavar="NAME")
+    chat.add_argument("--heartbeat", type=float, default=3.0, metavar="S", help=argparse.SUPPRESS)
+    chat.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    chat.set_defaults(func=cmd_chat)
 
     plan = sub.add_parser("plan", help="plan who hosts which layers for a cluster described in JSON")
     plan.add_argument("--cluster", required=True, metavar="FILE", help="cluster JSON (see DESIGN.md), - for stdin")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=cmd_plan)
+
+    contrib = sub.add_parser("contribute", help="serve layers of the swarm's model with this machine")
+    contrib.add_argument("--headless", action="store_true", help="log to stderr, no dashboard (the only mode today)")
+    contrib.add_argument("--model", default=None, help="built-in name, folder or hub id (default: the swarm's)")
+    contrib.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL",
+                         help="a peer's multiaddr or a swarm descriptor URL (none: start a new swarm)")
+    contrib.add_argument("--listen", action="append", default=[], metavar="MULTIADDR")
+    contrib.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
+                         help="the address peers should dial (behind port forwarding)")
+    contrib.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
+                         help="reserve a slot on this relay when peers cannot dial this machine")
+    contrib.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    contrib.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    contrib.add_argument("--max-memory", type=int, default=None, metavar="BYTES", help="memory to offer the swarm")
+    contrib.add_argument("--swarm-secret-env", default=None, metavar="NAME",
+                         help="read the private-swarm secret from this environment variable")
+    contrib.add_argument("--heartbeat", type=float, default=3.0, metavar="S", help=argparse.SUPPRESS)
+    contrib.set_defaults(func=cmd_contribute)
 
     bench = sub.add_parser("bench", help="measure this machine's speed and memory for a model's layers")
     bench.add_argument("--model", default="tinycode", help="built-in name, checkpoint folder or hub id")
@@ -233,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     if args.log_level != "DEBUG":  # py-libp2p logs expected network churn at WARNING/ERROR
-        for noisy in ("libp2p", "root", "multiaddr"):
+        for noisy in ("libp2p", "multiaddr"):
             logging.getLogger(noisy).setLevel(logging.CRITICAL)
     from beeswarm.shard.errors import ShardError
 

@@ -25,12 +25,20 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+def new_generator(params: SamplingParams) -> torch.Generator | None:
+    return torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+
+
 def generate(forward: Forward, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-             stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None) -> Generation:
-    """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop id (kept in the output)."""
+             stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
+             generator: torch.Generator | None = None) -> Generation:
+    """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop id (kept in the output).
+
+    Pass `generator` to continue a seeded sampling stream across calls (resuming after a failover).
+    """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    generator = generator if generator is not None else new_generator(params)
     stop = set(stop_ids)
     tokens: list[int] = []
     t0 = time.perf_counter()

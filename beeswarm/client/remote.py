@@ -17,11 +17,64 @@ import torch
 from beeswarm import codec
 from beeswarm.contributor.stage import RESULT_PROTOCOL, SESSION_PROTOCOL, STEP_PROTOCOL, pack_mask
 from beeswarm.p2p import wire
-from beeswarm.p2p.node import Channel, ChannelClosed, Node, NodeError
+from beeswarm.p2p.node import Channel, Node, NodeError
 from beeswarm.shard import tensors
 from beeswarm.shard.entry import EntryModel
 
 log = logging.getLogger(__name__)
+
+
+class _Inbox:
+    """Results for every pipeline of one node (stages keep one result channel per entry)."""
+
+    _by_node: dict[int, _Inbox] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def of(cls, node: Node) -> _Inbox:
+        with cls._lock:
+            if id(node) not in cls._by_node:
+                cls._by_node[id(node)] = cls(node)
+            return cls._by_node[id(node)]
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.results: dict[tuple[str, int], dict] = {}
+        self.waiting: set[tuple[str, int]] = set()
+        self.cond = threading.Condition()
+        node.serve_channel(RESULT_PROTOCOL, self._on_channel)
+
+    def _on_channel(self, channel: Channel) -> None:
+        channel.on_frame = self._on_frame
+
+    def _on_frame(self, channel: Channel, body: bytes) -> None:
+        msg = wire.expect(wire.unpack(body, self.node.config.max_tensor_bytes), ("result", "step_error"),
+                          session=str, step=int)
+        if msg["t"] == "result":
+            wire.expect(msg, "result", frame=bytes)
+        key = (msg["session"], msg["step"])
+        with self.cond:
+            if key not in self.waiting:
+                return  # late (after a timeout or failover) or never asked for: drop
+            self.results[key] = {**msg, "from": channel.peer}
+            self.cond.notify_all()
+
+    def wait(self, key: tuple[str, int], timeout: float, give_up=lambda: False) -> dict | None:
+        """The result for `key`, or None after `timeout` or as soon as `give_up()` holds."""
+        with self.cond:
+            try:
+                self.cond.wait_for(lambda: key in self.results or give_up(), timeout=timeout)
+                return self.results.pop(key, None)
+            finally:
+                self.waiting.discard(key)
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def expect(self, key: tuple[str, int]) -> None:
+        with self.cond:
+            self.waiting.add(key)
 
 
 class StageFailed(Exception):
@@ -41,7 +94,7 @@ class Hop:
 
 class RemotePipeline:
     def __init__(self, node: Node, entry: EntryModel, route: list[Hop], mode: str = "push",
-                 link_bytes_per_s: float | None = None, step_timeout_s: float = 60.0):
+                 link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0):
         if mode not in ("push", "hops"):
             raise ValueError(f"mode must be push or hops, got {mode!r}")
         if not route or route[0].start != 0 or any(a.end != b.start for a, b in zip(route, route[1:])) or \
@@ -50,13 +103,13 @@ class RemotePipeline:
         self.node, self.entry, self.route, self.mode = node, entry, route, mode
         self.step_timeout_s = step_timeout_s
         self.links = {hop.peer: codec.LinkCodec(link_bytes_per_s) for hop in route}
-        self._results: dict[tuple[str, int], dict] = {}
-        self._cond = threading.Condition()
+        self._inbox = _Inbox.of(node)
+        self._lost: set[str] = set()  # route peers whose connection dropped: fail fast, not after a timeout
+        node.on_peer_disconnected.append(self._on_disconnected)
         self._channels: dict[str, Channel] = {}
         self._step_ids = itertools.count()
         self._lock = threading.Lock()
         self._received = [0, 0]  # wire, raw bytes of results
-        node.serve_channel(RESULT_PROTOCOL, self._on_result_channel)
 
     # bytes on the wire as the entry saw them (its own sends and what came back)
     @property
@@ -74,7 +127,8 @@ class RemotePipeline:
             push = self.mode == "push"
             prev = self.route[i - 1].peer if push and i > 0 else self.node.peer_id
             nxt = self.route[i + 1].peer if push and not last else None
-            self._request(hop, wire.message("open", session=session, max_length=max_length, prev=prev, next=nxt))
+            self._request(hop, wire.message("open", session=session, max_length=max_length, prev=prev, next=nxt,
+                                            layers=[hop.start, hop.end]))
         return session
 
     def close(self, session: str) -> None:
@@ -103,29 +157,37 @@ class RemotePipeline:
             step = next(self._step_ids)
             msg = wire.message("step", entry=self.node.peer_id, session=session, step=step, start=start,
                                frame=tensors.encode(hidden, self.links[hop.peer]), mask=pack_mask(tree_mask))
+            self._inbox.expect((session, step))
             try:
                 self._channel(hop.peer).send(wire.pack(msg))
             except NodeError as e:
+                self._inbox.wait((session, step), 0)
                 raise StageFailed(hop.peer, str(e)) from None
             hidden = self._await(session, step, hop)
         return self.entry.logits(hidden)
 
     def _await(self, session: str, step: int, hop: Hop) -> torch.Tensor:
-        key = (session, step)
-        with self._cond:
-            if not self._cond.wait_for(lambda: key in self._results, timeout=self.step_timeout_s):
-                raise StageFailed(hop.peer, f"no result for step {step} within {self.step_timeout_s} s")
-            reply = self._results.pop(key)
-        if reply["t"] == "step_error":
-            layers = reply.get("layers") or []
-            culprit = next((h.peer for h in self.route if [h.start, h.end] == list(layers)), hop.peer)
-            raise StageFailed(culprit, str(reply.get("error")))
+        reply = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
+        if reply is None:
+            if self._lost:
+                raise StageFailed(next(iter(self._lost)), "connection lost")
+            raise StageFailed(hop.peer, f"no result for step {step} within {self.step_timeout_s} s")
         last = self.route[-1] if self.mode == "push" else hop
+        if reply["t"] == "result" and reply["from"] != last.peer:
+            raise StageFailed(last.peer, f"result came from {reply['from']}, not the route's stage")
+        if reply["t"] == "step_error":
+            culprit = reply["from"] if reply["from"] in {h.peer for h in self.route} else hop.peer
+            raise StageFailed(culprit, str(reply.get("error")))
         out = tensors.decode(reply["frame"], self.links[last.peer], self.node.config.max_tensor_bytes)
         with self._lock:
             self._received[0] += len(reply["frame"])
             self._received[1] += out.numel() * out.element_size()
         return out
+
+    def _on_disconnected(self, peer: str) -> None:
+        if any(h.peer == peer for h in self.route):
+            self._lost.add(peer)
+            self._inbox.wake()
 
     def _channel(self, peer: str) -> Channel:
         with self._lock:
@@ -133,27 +195,3 @@ class RemotePipeline:
             if channel is None or channel.closed:
                 channel = self._channels[peer] = self.node.open_channel(peer, STEP_PROTOCOL)
             return channel
-
-    def _on_result_channel(self, channel: Channel) -> None:
-        threading.Thread(target=self._read_results, args=(channel,), name="entry-results", daemon=True).start()
-
-    def _read_results(self, channel: Channel) -> None:
-        stages = {hop.peer for hop in self.route}
-        while True:
-            try:
-                body = channel.recv()
-            except (ChannelClosed, TimeoutError):
-                return
-            try:
-                msg = wire.expect(wire.unpack(body, self.node.config.max_tensor_bytes), ("result", "step_error"),
-                                  session=str, step=int)
-                if channel.peer not in stages:
-                    raise wire.ProtocolError("results from a peer outside the route")
-                if msg["t"] == "result":
-                    wire.expect(msg, "result", frame=bytes)
-            except wire.ProtocolError as e:
-                self.node._run_sync(self.node._strike, channel.peer, f"result: {e}")
-                continue
-            with self._cond:
-                self._results[(msg["session"], msg["step"])] = msg
-                self._cond.notify_all()

@@ -4,7 +4,7 @@
     out = decode(frame)            # out.data, out.dtype, out.shape; raises CodecError
 """
 from beeswarm.codec.frame import DEFAULT_MAX_BYTES, DTYPES, LAYOUTS, CodecError, Decoded, decode, encode_layout
-from beeswarm.codec.policy import LinkCodec, choose_layout, encode, measure
+from beeswarm.codec.policy import LinkCodec, choose_layout, encode, measure, warm_up
 
 __all__ = ["CodecError", "DEFAULT_MAX_BYTES", "DTYPES", "Decoded", "LAYOUTS", "LinkCodec", "choose_layout",
-           "decode", "encode", "encode_layout", "measure"]
+           "decode", "encode", "encode_layout", "measure", "warm_up"]

@@ -6,6 +6,8 @@ Protocols:
 - `/beeswarm/step/1` (channels): a step carries (session, step id, start, optional tree mask, hidden
   frame). The stage runs its layers and pushes the result straight to the next stage; the last
   stage (or every stage in client-hops mode) sends it to the entry on `/beeswarm/result/1`.
+A stage may hold two spans while it migrates (make-before-break); a session names the span it
+expects at open, so a step can never run on layers the entry did not route it to.
 Steps of concurrent sessions are batched into one call of the span runtime. Sessions belong to the
 entry that opened them, and steps are only taken from the hop named at open, so a peer can never
 touch another entry's session. Bad steps get an error sent to the session's entry; the stage keeps
@@ -23,7 +25,7 @@ import torch
 
 from beeswarm import codec
 from beeswarm.p2p import wire
-from beeswarm.p2p.node import Channel, ChannelClosed, Node, NodeError
+from beeswarm.p2p.node import Channel, Node, NodeError
 from beeswarm.shard import tensors
 from beeswarm.shard.errors import SessionError
 from beeswarm.shard.span import SpanRuntime, StepInput
@@ -40,6 +42,7 @@ MAX_SESSIONS_PER_PEER = 64
 @dataclass
 class _Session:
     key: str  # "<entry peer>/<session id>": the runtime's session id
+    runtime: SpanRuntime  # the span the session was opened on (a node may hold two while migrating)
     entry: str
     session: str
     prev: str  # the only peer whose steps are accepted
@@ -69,7 +72,7 @@ def unpack_mask(data: bytes | None, q: int) -> torch.Tensor | None:
 class StageServer:
     def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
                  link_bytes_per_s: float | None = None):
-        self.node, self.runtime, self.idle_timeout_s = node, runtime, idle_timeout_s
+        self.node, self.idle_timeout_s = node, idle_timeout_s
         self.link_bytes_per_s = link_bytes_per_s
         self.sessions: dict[str, _Session] = {}
         self.steps_done = 0
@@ -78,6 +81,8 @@ class StageServer:
         self._codecs: dict[str, codec.LinkCodec] = {}
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
+        self.runtimes: dict[tuple[int, int], SpanRuntime] = {}
+        self.add(runtime)
 
     def start(self) -> StageServer:
         self.node.serve(SESSION_PROTOCOL, self._on_session)
@@ -91,6 +96,22 @@ class StageServer:
         if self._worker is not None:
             self._worker.join(10)
 
+    def add(self, runtime: SpanRuntime) -> None:
+        """Serve another span (the new one of a migration) beside the current ones."""
+        with self._lock:
+            self.runtimes[(runtime.span.start, runtime.span.end)] = runtime
+
+    def keep_only(self, spans: set[tuple[int, int]]) -> None:
+        """Drop every span not in `spans`; its sessions end (their entries re-route and re-prefill)."""
+        with self._lock:
+            self.runtimes = {span: r for span, r in self.runtimes.items() if span in spans}
+            live = set(self.runtimes.values())
+            self.sessions = {k: s for k, s in self.sessions.items() if s.runtime in live}
+
+    @property
+    def busy(self) -> bool:
+        return not self._queue.empty()
+
     def link(self, peer: str) -> codec.LinkCodec:
         with self._lock:
             return self._codecs.setdefault(peer, codec.LinkCodec(self.link_bytes_per_s))
@@ -99,33 +120,38 @@ class StageServer:
     def _on_session(self, peer: str, msg: dict) -> dict:
         self._expire_idle()
         if msg["t"] == "open":
-            wire.expect(msg, "open", session=str, max_length=int, prev=str)
+            wire.expect(msg, "open", session=str, max_length=int, prev=str, layers=list)
             nxt = msg.get("next")
             if nxt is not None and not isinstance(nxt, str):
                 raise wire.ProtocolError("field 'next' of 'open' must be a peer id or null")
+            layers = tuple(msg["layers"])
             key = f"{peer}/{msg['session']}"
             with self._lock:
+                runtime = self.runtimes.get(layers)
                 if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
                     return wire.error(f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})")
+            if runtime is None:
+                return wire.error(f"this stage serves {sorted(self.runtimes)}, not layers {list(layers)}")
             try:
-                self.runtime.open(key, msg["max_length"])
+                runtime.open(key, msg["max_length"])
             except SessionError as e:
                 return wire.error(str(e))
             with self._lock:
-                self.sessions[key] = _Session(key, peer, msg["session"], msg["prev"], nxt, time.monotonic())
-            return wire.message("opened", layers=[self.runtime.span.start, self.runtime.span.end])
+                self.sessions[key] = _Session(key, runtime, peer, msg["session"], msg["prev"], nxt, time.monotonic())
+            return wire.message("opened", layers=list(layers))
         wire.expect(msg, ("close", "keep"), session=str)
         key = f"{peer}/{msg['session']}"
-        if key not in self.sessions:
+        session = self.sessions.get(key)
+        if session is None:
             return wire.error(f"unknown session {msg['session']!r}")
         if msg["t"] == "close":
             with self._lock:
                 self.sessions.pop(key, None)
-            self.runtime.close(key)
+            session.runtime.close(key)
             return wire.message("closed")
         wire.expect(msg, "keep", start=int, indices=list)
         try:
-            self.runtime.keep(key, msg["start"], [int(i) for i in msg["indices"]])
+            session.runtime.keep(key, msg["start"], [int(i) for i in msg["indices"]])
         except (SessionError, TypeError, ValueError) as e:
             return wire.error(str(e))
         return wire.message("kept")
@@ -138,27 +164,20 @@ class StageServer:
                 del self.sessions[s.key]
         for s in stale:
             log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)
-            self.runtime.close(s.key)
+            s.runtime.close(s.key)
 
     # steps ------------------------------------------------------------------------------------
     def _on_step_channel(self, channel: Channel) -> None:
-        threading.Thread(target=self._read_steps, args=(channel,), name="stage-steps", daemon=True).start()
+        channel.on_frame = self._on_step_frame
 
-    def _read_steps(self, channel: Channel) -> None:
-        while True:
-            try:
-                body = channel.recv()
-            except (ChannelClosed, TimeoutError):
-                return
-            try:
-                msg = wire.unpack(body, self.node.config.max_tensor_bytes)
-                wire.expect(msg, "step", entry=str, session=str, step=int, start=int, frame=bytes)
-            except wire.ProtocolError as e:
-                self.node._run_sync(self.node._strike, channel.peer, f"step: {e}")
-                continue
-            self._queue.put(_Step(channel.peer, msg))
+    def _on_step_frame(self, channel: Channel, body: bytes) -> None:
+        """In the node's loop: check the step's form and queue it for the compute thread."""
+        msg = wire.unpack(body, self.node.config.max_tensor_bytes)
+        wire.expect(msg, "step", entry=str, session=str, step=int, start=int, frame=bytes)
+        self._queue.put(_Step(channel.peer, msg))
 
     def _compute_loop(self) -> None:
+        codec.warm_up()  # calibrate the codec before the first step rather than during it
         while True:
             first = self._queue.get()
             if first is None:
@@ -183,30 +202,29 @@ class StageServer:
         return f"{item.msg['entry']}/{item.msg['session']}"
 
     def _run_batch(self, batch: list[_Step]) -> None:
-        ready: list[tuple[_Step, _Session, StepInput]] = []
+        ready: dict[SpanRuntime, list[tuple[_Step, _Session, StepInput]]] = {}
         for item in batch:
             try:
-                ready.append(self._prepare(item))
+                prepared = self._prepare(item)
+                ready.setdefault(prepared[1].runtime, []).append(prepared)
             except (wire.ProtocolError, SessionError, codec.CodecError) as e:
                 self._fail(item, str(e))
-        if not ready:
-            return
+        for runtime, steps in ready.items():
+            try:
+                outputs = runtime.step([x for _, _, x in steps])
+            except SessionError:
+                outputs = [self._step_alone(runtime, item, step) for item, _, step in steps]  # find the bad one
+            for (item, session, _), out in zip(steps, outputs):
+                if out is not None:
+                    self._forward(item, session, out)
+            self.steps_done += len(steps)
+
+    def _step_alone(self, runtime: SpanRuntime, item: _Step, step: StepInput) -> torch.Tensor | None:
         try:
-            outputs = self.runtime.step([x for _, _, x in ready])
-        except SessionError:
-            outputs = None  # one bad step must not sink the others: run them one by one
-        if outputs is None:
-            outputs = []
-            for item, session, step in ready:
-                try:
-                    outputs.append(self.runtime.step([step])[0])
-                except SessionError as e:
-                    self._fail(item, str(e))
-                    outputs.append(None)
-        for (item, session, _), out in zip(ready, outputs):
-            if out is not None:
-                self._forward(item, session, out)
-        self.steps_done += len(ready)
+            return runtime.step([step])[0]
+        except SessionError as e:
+            self._fail(item, str(e))
+            return None
 
     def _prepare(self, item: _Step) -> tuple[_Step, _Session, StepInput]:
         msg = item.msg
@@ -225,20 +243,17 @@ class StageServer:
         if session.next is None:
             target, protocol = session.entry, RESULT_PROTOCOL
             reply = wire.message("result", session=session.session, step=msg["step"],
-                                 frame=tensors.encode(out, self.link(target)), layers=list(self._layers()))
+                                 frame=tensors.encode(out, self.link(target)))
         else:
             target, protocol = session.next, STEP_PROTOCOL
             reply = {**msg, "frame": tensors.encode(out, self.link(target))}
         self._send(target, protocol, wire.pack(reply), session)
 
-    def _layers(self) -> tuple[int, int]:
-        return self.runtime.span.start, self.runtime.span.end
-
     def _fail(self, item: _Step, error: str) -> None:
         log.info("step %s of %s failed: %s", item.msg.get("step"), self._key(item), error)
         entry = item.msg["entry"]
         body = wire.pack(wire.message("step_error", session=item.msg["session"], step=item.msg["step"],
-                                      error=error[:500], layers=list(self._layers())))
+                                      error=error[:500], stage=self.node.peer_id))
         try:
             self._channel(entry, RESULT_PROTOCOL).send(body)
         except NodeError as e:

@@ -30,10 +30,16 @@ class ChannelClosed(NodeError):
 
 
 class Channel:
-    """A long-lived duplex stream of frames to one peer. `send`/`recv` may be called from any thread."""
+    """A long-lived duplex stream of frames to one peer. `send`/`recv` may be called from any thread.
+
+    Set `on_frame` (before frames arrive, e.g. in the channel handler) to take each frame in the
+    node's loop instead of buffering it for `recv`: one thread hand-off less per message. It must
+    return quickly; raising `wire.ProtocolError` counts against the peer.
+    """
 
     def __init__(self, node: Node, stream, peer: str, protocol: str, limit: int):
         self.node, self.peer, self.protocol, self.limit = node, peer, protocol, limit
+        self.on_frame: Callable[[Channel, bytes], None] | None = None
         self._stream = stream
         self._frames: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -49,6 +55,12 @@ class Channel:
                 body = await frames.next()
                 if body is None:
                     raise wire.ProtocolError("stream ended")
+                if self.on_frame is not None:
+                    try:
+                        self.on_frame(self, body)
+                    except wire.ProtocolError as e:
+                        self.node._strike(self.peer, f"{self.protocol}: {e}")
+                    continue
                 with self._cond:
                     if self._buffered + len(body) > CHANNEL_BUFFER_LIMIT:
                         raise wire.ProtocolError("peer outran the channel buffer")

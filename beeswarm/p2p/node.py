@@ -559,9 +559,9 @@ class Node:
             await quiet_reset(stream)
             return
         channel = Channel(self, stream, peer, protocol, limit)
-        self._nursery.start_soon(channel._reader)
         try:
             await trio.to_thread.run_sync(on_channel, channel)
+            self._nursery.start_soon(channel._reader)  # after the handler, so it can set on_frame first
         except Exception:  # noqa: BLE001
             log.exception("channel handler for %s failed", protocol)
             channel._mark_closed("handler failed")

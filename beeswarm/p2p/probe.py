@@ -89,11 +89,11 @@ class Prober:
             while not stop.is_set():
                 for peer in list(members.view()):
                     hit = self.cached(peer)
-                    if hit is not None and hit.age_s < every_s:
+                    if stop.is_set() or hit is not None and hit.age_s < every_s:
                         continue
                     try:
                         self.probe(peer, bulk_bytes=bulk_bytes, refresh=True)
-                    except Exception as e:  # noqa: BLE001 - a peer that went away: try later
+                    except Exception as e:  # noqa: BLE001 - a peer that went away, or our node stopping
                         log.debug("probe of %s failed: %s", peer, e)
                 links = {p: (round(x.rtt_ms, 3), round(x.up_mbps, 1), round(x.down_mbps, 1))
                          for p, x in self.all().items() if p in members.view()}

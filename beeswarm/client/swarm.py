@@ -1,0 +1,131 @@
+"""A chat process's view of the swarm: follow plans, find a route, generate, fail over.
+
+The client joins the mesh as a non-eligible member, follows the coordinator's signed plans, and
+routes over an `active` pipeline whose stages all announce their span loaded. When a stage fails
+(timeout, reset, error), it is banned, a new route is taken (a replica, or the re-plan), and the
+committed tokens are prefilled again: nothing is lost and greedy output stays identical.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from beeswarm import codec
+from beeswarm.client.generate import Generation, generate, new_generator
+from beeswarm.client.remote import Hop, RemotePipeline, StageFailed
+from beeswarm.client.sampling import SamplingParams
+from beeswarm.coordinator.cluster import ModelShape
+from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.p2p import identity
+from beeswarm.p2p.membership import Membership, NodeInfo
+from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.shard.entry import EntryModel
+
+log = logging.getLogger(__name__)
+MAX_RECOVERIES = 5
+
+
+class NoRoute(Exception):
+    """No complete, loaded route through the swarm appeared in time."""
+
+
+@dataclass
+class SwarmGeneration:
+    generation: Generation
+    route: list[Hop]
+    recoveries: int
+    wire_bytes: int
+    raw_bytes: int
+    routes: list[list[Hop]] = field(default_factory=list)
+
+
+class SwarmClient:
+    def __init__(self, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None,
+                 interval: float = 3.0, mode: str = "push", listen: list[str] | None = None,
+                 link_bytes_per_s: float | None = None):
+        self.entry, self.mode, self.link_bytes_per_s = entry, mode, link_bytes_per_s
+        me = identity.ephemeral()
+        self.node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], bootstrap=bootstrap, secret=secret))
+        self.members = Membership(self.node, NodeInfo(peer=me.peer_id, role="client", state="serving"),
+                                  interval=interval)
+        config = entry.config
+        shape = ModelShape(config.num_hidden_layers, config.hidden_size, 0, 0)  # a client never plans
+        self.coordinator = CoordinatorService(self.node, self.members, shape, interval=interval, eligible=False)
+        self.members.start()
+        self.coordinator.start()
+        self.node.start()
+        self._pipes: dict[tuple[Hop, ...], RemotePipeline] = {}
+        threading.Thread(target=codec.warm_up, daemon=True, name="codec-warm-up").start()
+
+    def close(self) -> None:
+        self.node.stop()
+
+    def route(self, timeout: float = 60.0) -> list[Hop]:
+        """A loaded, unbanned route covering every layer, from the plan's active pipelines."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self._find_route()
+            if found:
+                return found
+            time.sleep(0.1)
+        raise NoRoute(f"no complete route through the swarm within {timeout:.0f} s "
+                      f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch})")
+
+    def _find_route(self) -> list[Hop] | None:
+        view = self.members.view()
+        for pipeline in self.coordinator.state.active:
+            hops = [Hop(s["node"], s["start"], s["end"]) for s in pipeline["stages"]]
+            if all(h.peer in view and view[h.peer].state == "serving" and view[h.peer].layers == (h.start, h.end)
+                   and not self.node.bans.is_banned(h.peer) for h in hops):
+                return hops
+        return None
+
+    def _pipeline(self, route: list[Hop]) -> RemotePipeline:
+        key = tuple(route)
+        if key not in self._pipes:
+            self._pipes[key] = RemotePipeline(self.node, self.entry, route, self.mode, self.link_bytes_per_s)
+        return self._pipes[key]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 stop_ids=(), on_token: Callable[[int], None] | None = None,
+                 route_timeout: float = 60.0) -> SwarmGeneration:
+        generator = new_generator(params)
+        tokens: list[int] = []
+        routes: list[list[Hop]] = []
+        t0, ttft, recoveries = time.perf_counter(), None, 0
+
+        def emit(token: int) -> None:
+            nonlocal ttft
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens.append(token)
+            if on_token:
+                on_token(token)
+
+        while True:
+            route = self.route(route_timeout)
+            routes.append(route)
+            pipe = self._pipeline(route)
+            try:
+                session = pipe.open(len(prompt_ids) + max_new_tokens)
+                try:
+                    generate(lambda t, s: pipe.forward(session, t, s), prompt_ids + tokens,
+                             max_new_tokens - len(tokens), params, stop_ids, emit, generator)
+                finally:
+                    pipe.close(session)
+                break
+            except StageFailed as e:
+                recoveries += 1
+                log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",
+                            e, len(prompt_ids) + len(tokens))
+                self.node.bans.strike(e.peer, str(e), severe=True)
+                if recoveries > MAX_RECOVERIES:
+                    raise
+            if tokens and tokens[-1] in set(stop_ids) or len(tokens) >= max_new_tokens:
+                break
+        gen = Generation(tokens, len(prompt_ids), ttft or 0.0, time.perf_counter() - t0)
+        return SwarmGeneration(gen, routes[-1], recoveries, sum(p.wire_bytes for p in self._pipes.values()),
+                               sum(p.raw_bytes for p in self._pipes.values()), routes)

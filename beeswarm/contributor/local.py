@@ -1,0 +1,171 @@
+"""`beeswarm swarm --local N`: N contributor processes on 127.0.0.1, as N small machines would be.
+
+Each child gets its own config dir (a stable identity per index) and a memory budget of its share
+of the model (an even split of the layers plus 5%), so the plan really spans all N. Children die
+with the launcher (PR_SET_PDEATHSIG on Linux), so a killed launcher leaves no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import queue
+import signal
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from beeswarm.client.descriptor import SwarmDescriptor, write
+from beeswarm.client.local import even_splits
+from beeswarm.config import cache_dir
+
+log = logging.getLogger(__name__)
+CONTEXT_TOKENS = 2048
+
+
+class LocalSwarmError(Exception):
+    pass
+
+
+@dataclass
+class Child:
+    index: int
+    process: subprocess.Popen
+    peer: str | None = None
+    addr: str | None = None
+    span: tuple[int, int] | None = None
+    lines: queue.Queue = field(default_factory=queue.Queue)
+
+
+def _runs_dir() -> Path:
+    path = cache_dir() / "local-swarm"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def budgets(model: str, n: int, dtype: str = "auto", device: str = "auto") -> list[int]:
+    """Memory per child: its even share of the layers (weights + KV for the default context) + 5%."""
+    from beeswarm.shard import benchmark, checkpoint
+    from beeswarm.shard.device import resolve_device, resolve_dtype
+    from beeswarm.shard.loader import load_config
+
+    config = load_config(checkpoint.resolve_config(model))
+    dt = resolve_dtype(dtype, resolve_device(device))
+    per_layer = benchmark.layer_bytes(config, dt) + CONTEXT_TOKENS * benchmark.kv_bytes_per_token_layer(config, dt)
+    return [math.ceil(len(span) * per_layer * 1.05) for span in even_splits(config.num_hidden_layers, n)]
+
+
+class LocalSwarm:
+    def __init__(self, n: int, model: str = "tinycode", base_port: int = 0, heartbeat: float = 1.0,
+                 log_level: str = "WARNING", state_dir: Path | None = None, device: str = "auto"):
+        self.n, self.model, self.base_port, self.heartbeat = n, model, base_port, heartbeat
+        self.log_level, self.device = log_level, device
+        # One folder per run: two local swarms on one machine must not share identities.
+        self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="swarm-", dir=_runs_dir()))
+        self.children: list[Child] = []
+        self.num_layers = 0
+
+    def _spawn(self, index: int, budget: int, join: str | None) -> Child:
+        port = self.base_port + index if self.base_port else 0
+        cmd = [sys.executable, "-m", "beeswarm", "--log-level", self.log_level, "contribute", "--headless",
+               "--model", self.model, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory", str(budget),
+               "--device", self.device, "--heartbeat", str(self.heartbeat)]
+        if join:
+            cmd += ["--join", join]
+        env = {**os.environ, "BEESWARM_CONFIG_DIR": str(self.state_dir / f"node{index}"),
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("BEESWARM_IDENTITY", None)
+        log_file = open(self.state_dir / f"node{index}.log", "a")  # noqa: SIM115 - lives as long as the child
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                   text=True, env=env,
+                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        log_file.close()  # the child holds its own descriptor
+        child = Child(index, process)
+        threading.Thread(target=self._read, args=(child,), daemon=True, name=f"child-{index}").start()
+        return child
+
+    @staticmethod
+    def _read(child: Child) -> None:
+        for line in child.process.stdout:
+            parts = line.split()
+            if parts[:1] == ["peer"]:
+                child.peer = parts[1]
+            elif parts[:1] == ["addr"] and child.addr is None:
+                child.addr = parts[1]
+            elif parts[:1] == ["serving"]:
+                child.span = (int(parts[1]), int(parts[2]))
+            child.lines.put(line.rstrip())
+        child.lines.put(None)
+
+    def start(self, timeout: float = 120.0) -> str:
+        """Start every child; returns the bootstrap multiaddr (the first child's)."""
+        from beeswarm.shard import checkpoint
+        from beeswarm.shard.loader import load_config
+
+        self.num_layers = load_config(checkpoint.resolve_config(self.model)).num_hidden_layers
+        if not 1 <= self.n <= self.num_layers:
+            raise LocalSwarmError(f"--local {self.n}: the model has {self.num_layers} layers; use 1..{self.num_layers}")
+        sizes = budgets(self.model, self.n, device=self.device)
+        first = self._spawn(0, sizes[0], None)
+        self.children.append(first)
+        deadline = time.monotonic() + timeout
+        while first.addr is None:
+            if first.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise LocalSwarmError(f"the first contributor did not start (exit status {first.process.poll()})")
+            time.sleep(0.05)
+        for i in range(1, self.n):
+            self.children.append(self._spawn(i, sizes[i], first.addr))
+        return first.addr
+
+    def covered(self) -> bool:
+        spans = sorted(c.span for c in self.children if c.span)
+        reach = 0
+        for a, b in spans:
+            if a > reach:
+                return False
+            reach = max(reach, b)
+        return reach == self.num_layers and all(c.span for c in self.children)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.covered():
+            dead = [c for c in self.children if c.process.poll() is not None]
+            if dead:
+                raise LocalSwarmError(f"contributor {dead[0].index} exited with status {dead[0].process.poll()}")
+            if time.monotonic() > deadline:
+                raise LocalSwarmError(f"the swarm did not cover all {self.num_layers} layers within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def descriptor(self, bootstrap: str) -> SwarmDescriptor:
+        return SwarmDescriptor(name="local", model=self.model, bootstrap=(bootstrap,), private=False)
+
+    def write_descriptor(self, bootstrap: str) -> Path:
+        return write(self.descriptor(bootstrap), self.state_dir / "swarm.json")
+
+    def stop(self, grace: float = 8.0) -> None:
+        for c in self.children:
+            if c.process.poll() is None:
+                c.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in self.children:
+            try:
+                c.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.process.kill()
+                c.process.wait()
+        if self.state_dir.parent == _runs_dir():
+            shutil.rmtree(self.state_dir, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""Real contributor processes on 127.0.0.1: a local swarm, a chat through it, failover after kill -9."""
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from beeswarm.client.sampling import SamplingParams
+from beeswarm.client.swarm import SwarmClient
+from beeswarm.contributor.local import budgets
+from beeswarm.shard import EntryModel
+from helpers import wait_for
+
+
+def reference_greedy(folder, prompt_ids, n):
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def lines_of(proc):
+    """Yield the process's stdout lines from a background reader (so reads never block the test)."""
+    import queue
+
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line.rstrip()) for line in proc.stdout], daemon=True).start()
+    return q
+
+
+def read_until(q, prefix, timeout):
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=0.2)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            continue
+        seen.append(line)
+        if line.startswith(prefix):
+            return line, seen
+    raise AssertionError(f"no {prefix!r} line within {timeout} s; saw {seen}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is as good as gone
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    e.pop("BEESWARM_IDENTITY", None)
+    return e
+
+
+def test_local_swarm_serves_a_chat_joined_by_url_and_stops_cleanly(tiny_llama, env, tmp_path):
+    swarm = subprocess.Popen([sys.executable, "-m", "beeswarm", "swarm", "--local", "3", "--model", str(tiny_llama)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        q = lines_of(swarm)
+        _, seen = read_until(q, "ready", 120)
+        descriptor = next(line.split()[1] for line in seen if line.startswith("descriptor "))
+        contributors = [line for line in seen if line.startswith("contributor ")]
+        assert len(contributors) == 3  # the plan spans every process
+        spans = sorted(tuple(int(x) for x in line.split("[")[1].rstrip(")").split(", ")) for line in contributors)
+        assert spans[0][0] == 0 and spans[-1][1] == 8 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        pids = [int(line.split()[3]) for line in contributors]
+
+        # serve the descriptor over HTTP and join through the URL, as a volunteer would from a link
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=os.path.dirname(descriptor))
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_port}/{os.path.basename(descriptor)}"
+        tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+        try:
+            for prompt in ("def f(x):", "hello"):
+                chat = subprocess.run([sys.executable, "-m", "beeswarm", "chat", "--join", url, "--model",
+                                       str(tiny_llama), "--prompt", prompt, "--max-new-tokens", "12", "--greedy",
+                                       "--json", "--heartbeat", "1"], capture_output=True, text=True, timeout=120,
+                                      env=env)
+                assert chat.returncode == 0, chat.stderr
+                result = json.loads(chat.stdout)
+                assert result["tokens"] == reference_greedy(tiny_llama, tokenizer.encode(prompt), 12)
+                route = [(h["start"], h["end"]) for h in result["route"]]  # may differ from the first plan:
+                assert route[0][0] == 0 and route[-1][1] == 8  # measured links can move the spans
+                assert all(a[1] == b[0] for a, b in zip(route, route[1:]))
+                assert result["recoveries"] == 0 and result["wire_bytes"] > 0 and result["raw_bytes"] > 0
+            bad = subprocess.run([sys.executable, "-m", "beeswarm", "chat", "--join", url + ".missing", "--prompt", "x"],
+                                 capture_output=True, text=True, timeout=60, env=env)
+            assert bad.returncode == 2 and "HTTP 404" in bad.stderr
+        finally:
+            server.shutdown()
+    finally:
+        swarm.send_signal(signal.SIGTERM)
+        swarm.wait(30)
+    wait_for(lambda: not any(alive(p) for p in pids), 15, "every contributor to exit")
+
+
+def test_generation_survives_a_killed_stage(tiny_llama, env, tmp_path):
+    """Four contributors, each able to hold half the model; kill -9 a serving one mid-generation."""
+    half = budgets(str(tiny_llama), 2)[0]
+    procs, peers = [], {}
+    boot = None
+    try:
+        for i in range(4):
+            cmd = [sys.executable, "-m", "beeswarm", "contribute", "--headless", "--model", str(tiny_llama),
+                   "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory", str(half), "--heartbeat", "1"]
+            proc = subprocess.Popen(cmd + (["--join", boot] if boot else []), stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True,
+                                    env={**env, "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
+            q = lines_of(proc)
+            peer = read_until(q, "peer ", 60)[0].split()[1]
+            peers[peer] = proc
+            if boot is None:
+                boot = read_until(q, "addr ", 10)[0].split()[1]
+            procs.append(proc)
+        entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
+        client = SwarmClient(entry, [boot], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            first_route = client.route(90)
+            prompt = [3, 14, 15, 92, 65]
+            killed = []
+
+            def on_token(_):
+                if len(killed) == 0 and len(seen_tokens) == 4:
+                    victim = first_route[-1].peer
+                    peers[victim].send_signal(signal.SIGKILL)
+                    killed.append(victim)
+                seen_tokens.append(_)
+
+            seen_tokens: list[int] = []
+            out = client.generate(prompt, 24, SamplingParams(), on_token=on_token, route_timeout=90)
+        finally:
+            client.close()
+        assert killed and out.recoveries >= 1
+        assert out.generation.tokens == reference_greedy(tiny_llama, prompt, 24)
+        assert killed[0] not in {h.peer for h in out.route}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
