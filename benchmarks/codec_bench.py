@@ -14,7 +14,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from beeswarm import codec

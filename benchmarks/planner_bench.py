@@ -59,7 +59,7 @@ def main() -> None:
                 cluster = parse_cluster(swarm(rng, n, layers, objective))
                 t = time.perf_counter()
                 try:
-                    result = plan(cluster)
+                    plan(cluster)
                 except PlanError:
                     continue
                 times.append(time.perf_counter() - t)

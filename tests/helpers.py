@@ -16,3 +16,15 @@ def wait_for(cond, timeout: float, what: str):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def reference_greedy(folder, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation of `prompt_ids` on the checkpoint in `folder` (the oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

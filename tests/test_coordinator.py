@@ -62,7 +62,6 @@ def test_election_failover_and_plans(contributors):
 
     # A plan signed by someone other than the coordinator is ignored, however valid its signature.
     follower = next(n for n in nodes if not n.coord.is_leader)
-    before = nodes[2].coord.ignored_plans, nodes[2].coord.state
     forged = plans.SignedPlan(leader.coord.lease.term, 10_000, follower.peer_id, {"active": [], "target": []})
     follower.publish(follower.topic("coordinator"), plans.sign(follower.identity.key_pair, forged))
     others = [n for n in nodes if n is not follower and not n.coord.is_leader]

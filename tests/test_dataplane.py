@@ -5,7 +5,6 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from beeswarm.client.generate import generate
 from beeswarm.client.remote import Hop, RemotePipeline, StageFailed
@@ -13,6 +12,7 @@ from beeswarm.client.sampling import SamplingParams
 from beeswarm.contributor.stage import STEP_PROTOCOL, StageServer
 from beeswarm.p2p import wire
 from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
+from helpers import reference_greedy
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
 
@@ -34,14 +34,6 @@ def chain(mesh, tiny_llama):
     yield entry_node, entry, route, stages, servers
     for server in servers:
         server.stop()
-
-
-def reference_greedy(folder, prompt, n):
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("mode", ["push", "hops"])

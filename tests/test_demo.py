@@ -8,11 +8,12 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from beeswarm.client.generate import generate
 from beeswarm.client.local import LocalPipeline, even_splits
 from beeswarm.client.sampling import SamplingParams, probabilities
+from helpers import reference_greedy
 
 
 def beeswarm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -31,15 +32,11 @@ def test_even_splits_cover_every_layer_once():
 
 
 def test_greedy_pipeline_equals_transformers_generate(tiny_llama):
-    reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     pipeline = LocalPipeline(str(tiny_llama), stages=3, dtype="float32", device="cpu")
     for prompt in ([5, 6, 7], [100, 3, 250, 17, 9, 1]):
         session = pipeline.open(64)
         ours = generate(lambda t, s: pipeline.forward(session, t, s), prompt, 24, SamplingParams())
-        with torch.no_grad():
-            theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert ours.tokens == theirs
+        assert ours.tokens == reference_greedy(tiny_llama, prompt, 24)
 
 
 def test_seeded_sampling_repeats_and_top_p_cuts_the_tail():

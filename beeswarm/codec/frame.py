@@ -13,7 +13,6 @@ import threading
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import zstandard
 
 from beeswarm.codec import planes
