@@ -245,7 +245,7 @@ def cmd_chat(args) -> int:
         args.model = descriptor.model if descriptor else "tinycode"
     params, entry = _chat_common(args)
     client = SwarmClient(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
-                         mode="hops" if args.client_hops else "push")
+                         mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches)
     try:
         return _run_chat(client, entry, args, params)
     finally:
@@ -345,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-spec", action="store_true", help="no speculative decoding (the only mode today)")
     chat.add_argument("--client-hops", action="store_true",
                       help="route every stage's output back through this machine (for comparison)")
+    chat.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                      help="cut the prompt into M chunks that pipeline across stages (default: the plan's)")
     chat.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     chat.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     chat.add_argument("--swarm-secret-env", default=None, metavar="NAME")

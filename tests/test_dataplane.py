@@ -97,3 +97,15 @@ def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_ll
     # the good session carries on where it was
     more = generate(lambda t, s: pipe.forward(good, t, s), [1, 2, 3] + first, 4, SamplingParams()).tokens
     assert first + more == reference_greedy(tiny_llama, [1, 2, 3], 8)
+
+
+def test_micro_batched_prefill_equals_one_batch(chain, tiny_llama):
+    entry_node, entry, route, _, _ = chain
+    pipe = RemotePipeline(entry_node, entry, route)
+    prompt = torch.tensor([(13 * i) % 250 + 1 for i in range(23)])
+    whole, cut = pipe.open(32), pipe.open(32)
+    torch.testing.assert_close(pipe.forward(cut, prompt, 0, micro_batches=4), pipe.forward(whole, prompt, 0),
+                               atol=1e-5, rtol=0)
+    # the sessions carry on identically after the chunked prefill
+    nxt = torch.tensor([7])
+    torch.testing.assert_close(pipe.forward(cut, nxt, 23), pipe.forward(whole, nxt, 23), atol=1e-5, rtol=0)

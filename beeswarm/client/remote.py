@@ -149,22 +149,37 @@ class RemotePipeline:
             raise StageFailed(hop.peer, str(e)) from None
 
     def forward(self, session: str, token_ids: torch.Tensor, start: int,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for `token_ids` placed at `start` (the stages roll their KV back to it first)."""
+                tree_mask: torch.Tensor | None = None, micro_batches: int = 1) -> torch.Tensor:
+        """Logits for `token_ids` placed at `start` (the stages roll their KV back to it first).
+
+        With `micro_batches` > 1 (push chain, no tree) a long prompt is cut into that many chunks sent
+        back to back, so stage k works on chunk i while stage k+1 works on chunk i-1.
+        """
+        if self.mode == "push" and micro_batches > 1 and tree_mask is None and len(token_ids) >= 2 * micro_batches:
+            steps, position = [], start
+            for chunk in torch.tensor_split(token_ids, micro_batches):
+                steps.append(self._send_step(self.route[0], session, self.entry.embed(chunk), position, None))
+                position += len(chunk)
+            return self.entry.logits(torch.cat([self._await(session, step, self.route[0]) for step in steps]))
         hidden = self.entry.embed(token_ids)
         hops = self.route if self.mode == "hops" else self.route[:1]
         for hop in hops:
-            step = next(self._step_ids)
-            msg = wire.message("step", entry=self.node.peer_id, session=session, step=step, start=start,
-                               frame=tensors.encode(hidden, self.links[hop.peer]), mask=pack_mask(tree_mask))
-            self._inbox.expect((session, step))
-            try:
-                self._channel(hop.peer).send(wire.pack(msg))
-            except NodeError as e:
-                self._inbox.wait((session, step), 0)
-                raise StageFailed(hop.peer, str(e)) from None
+            step = self._send_step(hop, session, hidden, start, tree_mask)
             hidden = self._await(session, step, hop)
         return self.entry.logits(hidden)
+
+    def _send_step(self, hop: Hop, session: str, hidden: torch.Tensor, start: int,
+                   tree_mask: torch.Tensor | None) -> int:
+        step = next(self._step_ids)
+        msg = wire.message("step", entry=self.node.peer_id, session=session, step=step, start=start,
+                           frame=tensors.encode(hidden, self.links[hop.peer]), mask=pack_mask(tree_mask))
+        self._inbox.expect((session, step))
+        try:
+            self._channel(hop.peer).send(wire.pack(msg))
+        except NodeError as e:
+            self._inbox.wait((session, step), 0)
+            raise StageFailed(hop.peer, str(e)) from None
+        return step
 
     def _await(self, session: str, step: int, hop: Hop) -> torch.Tensor:
         reply = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))

@@ -45,8 +45,10 @@ class SwarmGeneration:
 class SwarmClient:
     def __init__(self, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None,
                  interval: float = 3.0, mode: str = "push", listen: list[str] | None = None,
-                 link_bytes_per_s: float | None = None):
+                 link_bytes_per_s: float | None = None, micro_batches: int | None = None):
+        """`micro_batches`: chunks a prompt is cut into (None: the plan's figure)."""
         self.entry, self.mode, self.link_bytes_per_s = entry, mode, link_bytes_per_s
+        self.micro_batches = micro_batches
         me = identity.ephemeral()
         self.node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], bootstrap=bootstrap, secret=secret))
         self.members = Membership(self.node, NodeInfo(peer=me.peer_id, role="client", state="serving"),
@@ -83,6 +85,13 @@ class SwarmClient:
                 return hops
         return None
 
+    def _planned_micro_batches(self, route: list[Hop]) -> int:
+        for pipeline in self.coordinator.state.active:
+            if [(s["node"], s["start"], s["end"]) for s in pipeline["stages"]] == [(h.peer, h.start, h.end)
+                                                                                  for h in route]:
+                return int(pipeline.get("micro_batches", 1))
+        return 1
+
     def _pipeline(self, route: list[Hop]) -> RemotePipeline:
         key = tuple(route)
         if key not in self._pipes:
@@ -112,7 +121,8 @@ class SwarmClient:
             try:
                 session = pipe.open(len(prompt_ids) + max_new_tokens)
                 try:
-                    generate(lambda t, s: pipe.forward(session, t, s), prompt_ids + tokens,
+                    m = self.micro_batches or self._planned_micro_batches(route)
+                    generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), prompt_ids + tokens,
                              max_new_tokens - len(tokens), params, stop_ids, emit, generator)
                 finally:
                     pipe.close(session)
