@@ -230,3 +230,20 @@ def test_bad_model_reference_is_explained(tmp_path):
         checkpoint.resolve("no such thing")
     with pytest.raises(ShardError, match="no config.json"):
         checkpoint.resolve(str(tmp_path))
+
+
+def test_offloaded_layers_give_identical_outputs(tiny_llama):
+    """Half the span's weights in host memory, streamed in per pass (host to host on CPU): same numbers."""
+    resident = SpanRuntime(tiny_llama, Span(1, 7), dtype="float32", device="cpu")
+    offloaded = SpanRuntime(tiny_llama, Span(1, 7), dtype="float32", device="cpu", offload_fraction=0.5)
+    assert len(offloaded.layers) == 3 and len(offloaded.offloaded) == 3 and offloaded.offloaded.host_bytes > 0
+    gen = torch.Generator().manual_seed(3)
+    for runtime in (resident, offloaded):
+        runtime.open("s", 16)
+    steps = [(torch.randn(5, resident.hidden_size, generator=gen), 0),
+             (torch.randn(1, resident.hidden_size, generator=gen), 5),
+             (torch.randn(3, resident.hidden_size, generator=gen), 4)]  # a rollback too
+    for hidden, start in steps:
+        assert torch.equal(resident.step_one("s", hidden, start), offloaded.step_one("s", hidden, start))
+    with pytest.raises(ShardError, match="offload_fraction"):
+        SpanRuntime(tiny_llama, Span(0, 2), device="cpu", offload_fraction=1.5)

@@ -107,13 +107,16 @@ class Contributor:
             if mine is None or mine == self.span or mine == self._loading:
                 return
             self._loading = mine
-        threading.Thread(target=self._load, args=(mine,), name="span-loader", daemon=True).start()
+            offload = next(float(s.get("offload_fraction", 0.0)) for p in state.target for s in p["stages"]
+                           if s["node"] == self.identity.peer_id)
+        threading.Thread(target=self._load, args=(mine, offload), name="span-loader", daemon=True).start()
 
-    def _load(self, span: tuple[int, int]) -> None:
+    def _load(self, span: tuple[int, int], offload_fraction: float = 0.0) -> None:
         self.members.update(state="loading")
-        log.info("loading layers [%d, %d) of %s", *span, self.options.model)
+        log.info("loading layers [%d, %d) of %s (offload %.0f%%)", *span, self.options.model, 100 * offload_fraction)
         try:
-            runtime = SpanRuntime.load(self.options.model, Span(*span), self.options.dtype, self.options.device)
+            runtime = SpanRuntime.load(self.options.model, Span(*span), self.options.dtype, self.options.device,
+                                       offload_fraction)
         except Exception:  # noqa: BLE001 - report, keep serving the old span
             log.exception("could not load layers [%d, %d)", *span)
             with self._lock:

@@ -1,7 +1,9 @@
 """Run a span of decoder layers for many sessions: batched steps, rollback, tree masks, keep."""
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +15,7 @@ from beeswarm.shard.device import resolve_device, resolve_dtype
 from beeswarm.shard.errors import SessionError, ShardError
 from beeswarm.shard.families import family, sliding_window
 from beeswarm.shard.kvcache import SessionKV, StepCache
+from beeswarm.shard.offload import OffloadedLayers
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +78,22 @@ def attention_mask(inputs: list[StepInput], kv_length: int, window: int | None, 
 class SpanRuntime:
     """Layers [start, end) of a checkpoint, with per-session KV caches. Thread-safe."""
 
-    def __init__(self, folder: Path, span: Span, dtype="auto", device="auto"):
+    def __init__(self, folder: Path, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0):
+        """`offload_fraction` a: the last ceil(a * layers) layers stay in host memory and stream in per pass."""
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise ShardError(f"offload_fraction {offload_fraction} is outside [0, 1]")
         self.folder = Path(folder)
         self.config = loader.load_config(self.folder)
         self.span = span
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.layers = loader.build_layers(self.folder, self.config, span.start, span.end, self.dtype, self.device)
+        offloaded = math.ceil(offload_fraction * len(span))
+        resident_end = span.end - offloaded
+        self.layers = loader.build_layers(self.folder, self.config, span.start, resident_end, self.dtype,
+                                          self.device) if resident_end > span.start else []
+        host = loader.build_layers(self.folder, self.config, resident_end, span.end, self.dtype,
+                                   torch.device("cpu")) if offloaded else []
+        self.offloaded = OffloadedLayers(list(host), self.device)
         self.rotary = family(self.config).rotary_embedding(self.config).to(self.device)
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
         self.windows = [sliding_window(self.config, i) for i in range(span.start, span.end)]
@@ -89,9 +101,9 @@ class SpanRuntime:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, ref: str, span: Span, dtype="auto", device="auto") -> SpanRuntime:
+    def load(cls, ref: str, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0) -> SpanRuntime:
         folder = checkpoint.resolve(ref, checkpoint.Parts(span.start, span.end))
-        return cls(folder, span, dtype, device)
+        return cls(folder, span, dtype, device, offload_fraction)
 
     @property
     def hidden_size(self) -> int:
@@ -183,7 +195,7 @@ class SpanRuntime:
         cache = StepCache(sessions, [x.start for x in inputs], lengths, self.span.start)
         masks = {w: attention_mask(inputs, cache.kv_length, w, self.dtype, self.device) for w in set(self.windows)}
         rotary = self.rotary(hidden, positions)
-        for layer, window in zip(self.layers, self.windows):
+        for layer, window in zip(itertools.chain(self.layers, self.offloaded.layers()), self.windows):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions, cache=cache,
                            position_embeddings=rotary)
         for kv, end in zip(sessions, cache.ends):
