@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -109,3 +110,22 @@ def test_micro_batched_prefill_equals_one_batch(chain, tiny_llama):
     # the sessions carry on identically after the chunked prefill
     nxt = torch.tensor([7])
     torch.testing.assert_close(pipe.forward(cut, nxt, 23), pipe.forward(whole, nxt, 23), atol=1e-5, rtol=0)
+
+
+def test_sessions_expire_when_idle_and_need_memory(mesh, tiny_llama):
+    (stage_node,) = mesh(1, members=False)
+    runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
+    StageServer(stage_node, runtime, idle_timeout_s=0.4, kv_budget_bytes=runtime.kv_bytes(100)).start()
+    (entry_node,) = mesh(1, members=False, bootstrap=[])
+    entry_node.connect(stage_node.addrs[0])
+    pipe = RemotePipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"), [Hop(stage_node.peer_id, 0, 8)])
+    with pytest.raises(StageFailed, match="no memory for a session of 200 tokens"):
+        pipe.open(200)
+    session = pipe.open(60)
+    pipe.forward(session, torch.tensor([1, 2, 3]), 0)
+    with pytest.raises(StageFailed, match="no memory"):
+        pipe.open(60)  # 60 + 60 > 100 tokens' worth
+    time.sleep(1.0)  # idle past the timeout: the session is closed and its memory freed
+    with pytest.raises(StageFailed, match="unknown session"):
+        pipe.forward(session, torch.tensor([4]), 3)
+    pipe.open(60)

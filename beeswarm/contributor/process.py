@@ -56,6 +56,7 @@ class Contributor:
         o = self.options
         figures = benchmark.run(o.model, o.device, o.dtype, progress=lambda line: log.info("%s", line))
         memory = min(figures.mem_bytes, o.max_memory) if o.max_memory else figures.mem_bytes
+        self.memory, self.layer_bytes = memory, figures.layer_bytes
         shape = ModelShape(figures.num_layers, figures.hidden_size, figures.layer_bytes,
                            figures.kv_bytes_per_token_layer, act_bytes=2)
         self.node = Node(self.identity, NodeConfig(listen=o.listen, announce=o.announce, bootstrap=o.join,
@@ -125,7 +126,8 @@ class Contributor:
             return
         with self._lock:
             if self.server is None:
-                self.server = StageServer(self.node, runtime).start()
+                weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
+                self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights)).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading = span, None

@@ -71,8 +71,9 @@ def unpack_mask(data: bytes | None, q: int) -> torch.Tensor | None:
 
 class StageServer:
     def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
-                 link_bytes_per_s: float | None = None):
-        self.node, self.idle_timeout_s = node, idle_timeout_s
+                 link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None):
+        """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows)."""
+        self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
         self.link_bytes_per_s = link_bytes_per_s
         self.sessions: dict[str, _Session] = {}
         self.steps_done = 0
@@ -132,6 +133,13 @@ class StageServer:
                     return wire.error(f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})")
             if runtime is None:
                 return wire.error(f"this stage serves {sorted(self.runtimes)}, not layers {list(layers)}")
+            if self.kv_budget_bytes is not None:
+                used = sum(s.runtime.kv_bytes(s.runtime.sessions[s.key].max_length) for s in self.sessions.values()
+                           if s.key in s.runtime.sessions)
+                need = runtime.kv_bytes(msg["max_length"])
+                if used + need > self.kv_budget_bytes:
+                    return wire.error(f"no memory for a session of {msg['max_length']} tokens: it needs {need} bytes "
+                                      f"of KV cache, {max(0, self.kv_budget_bytes - used)} are free")
             try:
                 runtime.open(key, msg["max_length"])
             except SessionError as e:
@@ -179,7 +187,11 @@ class StageServer:
     def _compute_loop(self) -> None:
         codec.warm_up()  # calibrate the codec before the first step rather than during it
         while True:
-            first = self._queue.get()
+            try:
+                first = self._queue.get(timeout=min(60.0, self.idle_timeout_s / 4))
+            except queue.Empty:
+                self._expire_idle()
+                continue
             if first is None:
                 return
             batch, seen, later = [first], {self._key(first)}, []
