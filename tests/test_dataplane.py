@@ -53,7 +53,7 @@ def test_concurrent_sessions_and_compression_give_identical_tokens(chain, tiny_l
     entry_node, entry, route, _, servers = chain
     slow_link = RemotePipeline(entry_node, entry, route, link_bytes_per_s=1e6)  # forces compressed frames
     # 40-token prompts: prefill frames of 10 KB, above the size where the policy starts compressing
-    prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(6)]
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(8)]
     results = {}
 
     def run(i):
@@ -73,7 +73,7 @@ def test_concurrent_sessions_and_compression_give_identical_tokens(chain, tiny_l
     for i, prompt in enumerate(prompts):
         assert results.get(i) == reference_greedy(tiny_llama, prompt, 10), results.get(i)
     assert slow_link.wire_bytes < slow_link.raw_bytes  # compression was on
-    assert sum(s.steps_done for s in servers) >= 3 * 6 * 10
+    assert sum(s.steps_done for s in servers) >= 3 * 8 * 10
 
 
 def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_llama):

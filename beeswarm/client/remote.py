@@ -191,7 +191,9 @@ class RemotePipeline:
         if reply["t"] == "result" and reply["from"] != last.peer:
             raise StageFailed(last.peer, f"result came from {reply['from']}, not the route's stage")
         if reply["t"] == "step_error":
-            culprit = reply["from"] if reply["from"] in {h.peer for h in self.route} else hop.peer
+            named = reply.get("culprit")
+            stages = {h.peer for h in self.route}
+            culprit = named if named in stages else reply["from"] if reply["from"] in stages else hop.peer
             raise StageFailed(culprit, str(reply.get("error")))
         out = tensors.decode(reply["frame"], self.links[last.peer], self.node.config.max_tensor_bytes)
         with self._lock:

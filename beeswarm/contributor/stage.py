@@ -259,25 +259,25 @@ class StageServer:
         else:
             target, protocol = session.next, STEP_PROTOCOL
             reply = {**msg, "frame": tensors.encode(out, self.link(target))}
-        self._send(target, protocol, wire.pack(reply), session)
+        try:
+            self._channel(target, protocol).send(wire.pack(reply))
+        except NodeError as e:
+            with self._lock:
+                self._out.pop((target, protocol), None)
+            if target != session.entry:  # tell the entry at once, naming the hop that failed
+                self._fail(item, f"cannot reach the next stage: {e}", culprit=target)
+            else:
+                log.warning("cannot return a result to %s: %s", target, e)
 
-    def _fail(self, item: _Step, error: str) -> None:
+    def _fail(self, item: _Step, error: str, culprit: str | None = None) -> None:
         log.info("step %s of %s failed: %s", item.msg.get("step"), self._key(item), error)
         entry = item.msg["entry"]
         body = wire.pack(wire.message("step_error", session=item.msg["session"], step=item.msg["step"],
-                                      error=error[:500], stage=self.node.peer_id))
+                                      error=error[:500], culprit=culprit or self.node.peer_id))
         try:
             self._channel(entry, RESULT_PROTOCOL).send(body)
         except NodeError as e:
             log.info("cannot report the error to %s: %s", entry, e)
-
-    def _send(self, peer: str, protocol: str, body: bytes, session: _Session) -> None:
-        try:
-            self._channel(peer, protocol).send(body)
-        except NodeError as e:
-            with self._lock:
-                self._out.pop((peer, protocol), None)
-            log.warning("cannot reach %s for session %s: %s", peer, session.key, e)
 
     def _channel(self, peer: str, protocol: str) -> Channel:
         with self._lock:
