@@ -121,9 +121,9 @@ def test_election_state_machine_rules():
     now = [0.0]
     a = Election("A", 1.0, clock=lambda: now[0])
     b = Election("B", 1.0, clock=lambda: now[0])
-    now[0] = 2.9
+    now[0] = 2.4
     assert a.tick({"A", "B"}) is None
-    now[0] = 3.0
+    now[0] = 2.5
     assert a.tick({"A", "B"}) == Lease(1, "A") and b.tick({"A", "B"}) is None  # B waits 2 beats longer
     assert b.observe(Lease(1, "A"))
     assert not b.observe(Lease(1, "C"))  # same term: the smaller id keeps it

@@ -1,7 +1,9 @@
 """Coordinator election: a term-based lease (pure state machine; `service` feeds it the network).
 
 The coordinator publishes (term, peer id, plan epoch) every interval. When those heartbeats stop
-for MISSED_BEATS intervals, the eligible contributor with the smallest peer id claims term + 1;
+for MISSED_BEATS intervals (2.5: two whole beats lost, with half an interval left so a successor is
+known within 3 intervals + 1 s even on a loaded machine), the eligible contributor with the
+smallest peer id claims term + 1;
 the next smallest waits two intervals more, and so on, so a dead first candidate costs little.
 Higher terms win; equal terms break by the smaller peer id, so merged partitions converge.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-MISSED_BEATS = 3
+MISSED_BEATS = 2.5
 BACKOFF_BEATS = 2  # extra silence each later-ranked candidate waits
 
 
