@@ -67,24 +67,6 @@ def expect(msg: dict[str, Any], kind: str | tuple[str, ...], **fields: type | tu
     return msg
 
 
-async def read_exactly(stream, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = await stream.read(n - got)
-        if not chunk:
-            raise ProtocolError(f"stream ended after {got} of {n} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-async def read_frame(stream, limit: int) -> bytes:
-    (length,) = _LEN.unpack(await read_exactly(stream, _LEN.size))
-    if length > limit:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {limit}-byte limit")
-    return await read_exactly(stream, length)
-
-
 class FrameReader:
     """Reads frames from one stream through a buffer: one `stream.read` per frame, not two or more."""
 
@@ -121,6 +103,11 @@ class FrameReader:
         if body is None:
             raise ProtocolError("stream ended before a frame")
         return body
+
+
+async def read_frame(stream, limit: int) -> bytes:
+    """One frame from a stream read only for it (streams carrying many frames keep a FrameReader)."""
+    return await FrameReader(stream, limit).expect()
 
 
 async def write_frame(stream, body: bytes) -> None:
