@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -27,15 +28,16 @@ log = logging.getLogger(__name__)
 class _Inbox:
     """Results for every pipeline of one node (stages keep one result channel per entry)."""
 
-    _by_node: dict[int, _Inbox] = {}
+    # Weak keys: an id() could be reused by a later node, which must get its own inbox.
+    _by_node: weakref.WeakKeyDictionary[Node, _Inbox] = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
     @classmethod
     def of(cls, node: Node) -> _Inbox:
         with cls._lock:
-            if id(node) not in cls._by_node:
-                cls._by_node[id(node)] = cls(node)
-            return cls._by_node[id(node)]
+            if node not in cls._by_node:
+                cls._by_node[node] = cls(node)
+            return cls._by_node[node]
 
     def __init__(self, node: Node):
         self.node = node
