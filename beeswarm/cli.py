@@ -39,8 +39,10 @@ def _sampling(args):
 
 def cmd_demo(args) -> int:
     """A real local swarm of 3 contributor processes plus this process as the entry; stopped after."""
+    import torch
+
     from beeswarm.client.swarm import SwarmClient
-    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError
+    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError, threads_per_process
 
     params, entry = _chat_common(args)
     if args.prompt is not None:
@@ -49,6 +51,7 @@ def cmd_demo(args) -> int:
         raise UserError("give --prompt TEXT (reading prompts line by line needs a terminal)")
     stages = min(3, entry.config.num_hidden_layers)
     swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device)
+    torch.set_num_threads(threads_per_process(stages + 1))  # the entry shares the cores with the stages
     client = None
     try:
         print(f"starting a local swarm of {stages} contributors for {args.model} "
@@ -153,7 +156,7 @@ def cmd_swarm(args) -> int:
     import signal
     import threading
 
-    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError
+    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError, threads_per_process
 
     swarm = LocalSwarm(args.local, args.model, args.base_port, heartbeat=args.heartbeat, device=args.device)
     stop = threading.Event()

@@ -13,11 +13,13 @@ import argparse
 import json
 import statistics
 
+import torch
+
 from beeswarm.client.generate import generate
 from beeswarm.client.local import LocalPipeline
 from beeswarm.client.sampling import SamplingParams
 from beeswarm.client.swarm import SwarmClient
-from beeswarm.contributor.local import LocalSwarm
+from beeswarm.contributor.local import LocalSwarm, threads_per_process
 from beeswarm.shard import EntryModel
 
 DECODE_TOKENS = 64
@@ -53,6 +55,7 @@ def main() -> None:
     single = statistics.median(decode_rate(run_local(prompt, DECODE_TOKENS)) for _ in range(args.repeat))
     single_ttft = statistics.median(run_local(long_prompt, 1).ttft_s for _ in range(args.repeat))
 
+    torch.set_num_threads(threads_per_process(4))  # one process had every core; now 4 share them
     swarm = LocalSwarm(3, args.model, heartbeat=1.0)
     results = {}
     try:
