@@ -28,6 +28,39 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S")
 
 
+def _add_spec(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-spec", action="store_true", help="no speculative decoding (same as --draft none)")
+    p.add_argument("--draft", default=None, metavar="REF",
+                   help="draft model sharing the target's tokenizer (default: the model's paired draft; none: off)")
+    p.add_argument("--spec-depth", default="auto", metavar="K|auto", help="draft tree depth (default: tuned)")
+    p.add_argument("--spec-width", default="auto", metavar="W|auto",
+                   help="children per tree node, 1 for a chain (default: tuned)")
+
+
+def _speculation(args, entry):
+    """(draft model or None, tuner) from --no-spec / --draft / --spec-depth / --spec-width."""
+    from beeswarm.shard.errors import ShardError
+    from beeswarm.spec.draft import DraftModel, draft_ref
+    from beeswarm.spec.tuner import MAX_DEPTH, MAX_WIDTH, Tuner
+
+    def pinned(value: str, flag: str, most: int) -> int | None:
+        if value == "auto":
+            return None
+        if not value.isdigit() or not 1 <= int(value) <= most:
+            raise UserError(f"{flag} must be auto or 1..{most}, got {value!r}")
+        return int(value)
+
+    tuner = Tuner(depth=pinned(args.spec_depth, "--spec-depth", MAX_DEPTH),
+                  width=pinned(args.spec_width, "--spec-width", MAX_WIDTH))
+    ref = None if args.no_spec else draft_ref(args.model, args.draft)
+    if ref is None:
+        return None, tuner
+    try:
+        return DraftModel(ref, entry.config.vocab_size, "float32", "cpu"), tuner
+    except ShardError as e:
+        raise UserError(f"draft: {e}") from None
+
+
 def _sampling(args):
     from beeswarm.client.sampling import SamplingParams
 
@@ -58,7 +91,9 @@ def cmd_demo(args) -> int:
               f"(logs in {swarm.state_dir})...", file=sys.stderr, flush=True)
         bootstrap = swarm.start()
         swarm.wait_ready()
-        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"])
+        draft, tuner = _speculation(args, entry)
+        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"], draft=draft,
+                             tuner=tuner)
         if args.prompt is not None:
             return _run_chat(client, entry, args, params)
         print("beeswarm demo: one prompt per line; Ctrl-D leaves.", file=sys.stderr)
@@ -203,6 +238,9 @@ def _encode_prompt(entry, args):
     return tokenizer, ids
 
 
+NO_SPEC = {"rounds": None, "accepted_per_round": None, "acceptance_by_depth": [], "spec": None}
+
+
 def _run_chat(client, entry, args, params) -> int:
     """Generate once through the swarm and print the stream or the JSON summary."""
     from beeswarm.client.remote import StageFailed
@@ -225,7 +263,8 @@ def _run_chat(client, entry, args, params) -> int:
                           "seconds": round(g.seconds, 4), "tokens_per_s": round(g.tokens_per_s, 2),
                           "ttft_s": round(g.ttft_s, 4),
                           "route": [{"peer": h.peer, "start": h.start, "end": h.end} for h in out.route],
-                          "recoveries": out.recoveries, "wire_bytes": out.wire_bytes, "raw_bytes": out.raw_bytes}))
+                          "recoveries": out.recoveries, "wire_bytes": out.wire_bytes, "raw_bytes": out.raw_bytes,
+                          **(out.spec.as_json() if out.spec else NO_SPEC)}))
     else:
         print()
     return 0
@@ -247,8 +286,10 @@ def cmd_chat(args) -> int:
     if args.model is None:
         args.model = descriptor.model if descriptor else "tinycode"
     params, entry = _chat_common(args)
+    draft, tuner = _speculation(args, entry)
     client = SwarmClient(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
-                         mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches)
+                         mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches,
+                         draft=draft, tuner=tuner)
     try:
         return _run_chat(client, entry, args, params)
     finally:
@@ -327,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="tinycode", help="built-in name, checkpoint folder or hub id (org/name)")
     demo.add_argument("--prompt", default=None, help="generate once for TEXT (default: read prompts line by line)")
     _add_sampling(demo)
+    _add_spec(demo)
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     demo.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -345,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default=None, help="must match the swarm's model (default: the swarm's)")
     chat.add_argument("--prompt", default=None)
     _add_sampling(chat)
-    chat.add_argument("--no-spec", action="store_true", help="no speculative decoding (the only mode today)")
+    _add_spec(chat)
     chat.add_argument("--client-hops", action="store_true",
                       help="route every stage's output back through this machine (for comparison)")
     chat.add_argument("--micro-batches", type=int, default=None, metavar="M",

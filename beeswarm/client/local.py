@@ -41,8 +41,11 @@ class LocalPipeline:
         for span in self.spans:
             span.close(session)
 
-    def forward(self, session: str, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, session: str, token_ids: torch.Tensor, start: int, tree_mask: torch.Tensor | None = None,
+                keep: tuple[int, list[int]] | None = None) -> torch.Tensor:
         hidden = self.entry.embed(token_ids)
         for span in self.spans:
-            hidden = span.step_one(session, hidden, start)
+            if keep is not None:
+                span.keep(session, *keep)
+            hidden = span.step_one(session, hidden, start, tree_mask)
         return self.entry.logits(hidden)

@@ -150,31 +150,35 @@ class RemotePipeline:
         except (NodeError, TimeoutError, wire.RemoteError) as e:
             raise StageFailed(hop.peer, str(e)) from None
 
-    def forward(self, session: str, token_ids: torch.Tensor, start: int,
-                tree_mask: torch.Tensor | None = None, micro_batches: int = 1) -> torch.Tensor:
+    def forward(self, session: str, token_ids: torch.Tensor, start: int, tree_mask: torch.Tensor | None = None,
+                micro_batches: int = 1, keep: tuple[int, list[int]] | None = None) -> torch.Tensor:
         """Logits for `token_ids` placed at `start` (the stages roll their KV back to it first).
 
-        With `micro_batches` > 1 (push chain, no tree) a long prompt is cut into that many chunks sent
-        back to back, so stage k works on chunk i while stage k+1 works on chunk i-1.
+        `keep` (start, indices): the previous speculative round's accepted path, compacted by every
+        stage before this step (it rides with the step: no extra round trip). With `micro_batches` > 1
+        (push chain, no tree) a long prompt is cut into that many chunks sent back to back, so stage k
+        works on chunk i while stage k+1 works on chunk i-1.
         """
         if self.mode == "push" and micro_batches > 1 and tree_mask is None and len(token_ids) >= 2 * micro_batches:
             steps, position = [], start
             for chunk in torch.tensor_split(token_ids, micro_batches):
-                steps.append(self._send_step(self.route[0], session, self.entry.embed(chunk), position, None))
+                steps.append(self._send_step(self.route[0], session, self.entry.embed(chunk), position, None,
+                                             keep if position == start else None))
                 position += len(chunk)
             return self.entry.logits(torch.cat([self._await(session, step, self.route[0]) for step in steps]))
         hidden = self.entry.embed(token_ids)
         hops = self.route if self.mode == "hops" else self.route[:1]
         for hop in hops:
-            step = self._send_step(hop, session, hidden, start, tree_mask)
+            step = self._send_step(hop, session, hidden, start, tree_mask, keep)
             hidden = self._await(session, step, hop)
         return self.entry.logits(hidden)
 
     def _send_step(self, hop: Hop, session: str, hidden: torch.Tensor, start: int,
-                   tree_mask: torch.Tensor | None) -> int:
+                   tree_mask: torch.Tensor | None, keep: tuple[int, list[int]] | None) -> int:
         step = next(self._step_ids)
         msg = wire.message("step", entry=self.node.peer_id, session=session, step=step, start=start,
-                           frame=tensors.encode(hidden, self.links[hop.peer]), mask=pack_mask(tree_mask))
+                           frame=tensors.encode(hidden, self.links[hop.peer]), mask=pack_mask(tree_mask),
+                           keep=None if keep is None else [keep[0], list(keep[1])])
         self._inbox.expect((session, step))
         try:
             self._channel(hop.peer).send(wire.pack(msg))

@@ -23,6 +23,9 @@ from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership, NodeInfo
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.shard.entry import EntryModel
+from beeswarm.spec.decode import SpecReport, speculative_generate
+from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES = 5
@@ -40,15 +43,20 @@ class SwarmGeneration:
     wire_bytes: int
     raw_bytes: int
     routes: list[list[Hop]] = field(default_factory=list)
+    spec: SpecReport | None = None
 
 
 class SwarmClient:
     def __init__(self, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None,
                  interval: float = 3.0, mode: str = "push", listen: list[str] | None = None,
-                 link_bytes_per_s: float | None = None, micro_batches: int | None = None):
-        """`micro_batches`: chunks a prompt is cut into (None: the plan's figure)."""
+                 link_bytes_per_s: float | None = None, micro_batches: int | None = None,
+                 draft: DraftModel | None = None, tuner: Tuner | None = None):
+        """`micro_batches`: chunks a prompt is cut into (None: the plan's figure). `draft`: speculate
+        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations."""
         self.entry, self.mode, self.link_bytes_per_s = entry, mode, link_bytes_per_s
         self.micro_batches = micro_batches
+        self.draft, self.tuner = draft, tuner or Tuner()
+        self.speculate = draft is not None
         me = identity.ephemeral()
         self.node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], bootstrap=bootstrap, secret=secret))
         self.members = Membership(self.node, NodeInfo(peer=me.peer_id, role="client", state="serving"),
@@ -114,16 +122,26 @@ class SwarmClient:
             if on_token:
                 on_token(token)
 
+        speculate = self.speculate and self.draft is not None
+        report = SpecReport() if speculate else None
+        limit = self.entry.config.max_position_embeddings
         while True:
             route = self.route(route_timeout)
             routes.append(route)
             pipe = self._pipeline(route)
             try:
-                session = pipe.open(len(prompt_ids) + max_new_tokens)
+                max_length = min(limit, len(prompt_ids) + max_new_tokens + (MAX_TREE_NODES + 1 if speculate else 0))
+                session = pipe.open(max_length)
                 try:
                     m = self.micro_batches or self._planned_micro_batches(route)
-                    generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), prompt_ids + tokens,
-                             max_new_tokens - len(tokens), params, stop_ids, emit, generator)
+                    context, left = prompt_ids + tokens, max_new_tokens - len(tokens)
+                    if speculate:
+                        speculative_generate(
+                            lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep), self.draft,
+                            context, left, params, self.tuner, stop_ids, emit, generator, report, max_length)
+                    else:
+                        generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, params,
+                                 stop_ids, emit, generator)
                 finally:
                     pipe.close(session)
                 break
@@ -138,4 +156,4 @@ class SwarmClient:
                 break
         gen = Generation(tokens, len(prompt_ids), ttft or 0.0, time.perf_counter() - t0)
         return SwarmGeneration(gen, routes[-1], recoveries, sum(p.wire_bytes for p in self._pipes.values()),
-                               sum(p.raw_bytes for p in self._pipes.values()), routes)
+                               sum(p.raw_bytes for p in self._pipes.values()), routes, report)

@@ -37,6 +37,7 @@ STEP_PROTOCOL = "/beeswarm/step/1"
 RESULT_PROTOCOL = "/beeswarm/result/1"
 MAX_BATCH = 16
 MAX_SESSIONS_PER_PEER = 64
+MAX_KEEP = 4096
 
 
 @dataclass
@@ -67,6 +68,14 @@ def unpack_mask(data: bytes | None, q: int) -> torch.Tensor | None:
     if mask.dtype != torch.uint8 or tuple(mask.shape) != (q, q):
         raise wire.ProtocolError(f"tree mask must be uint8 ({q}, {q})")
     return mask.bool()
+
+
+def parse_keep(value) -> tuple[int, list[int]]:
+    """A step's `keep` field: [start, [index, ...]], the tree nodes to keep from `start` on."""
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and isinstance(value[1], list)
+            and len(value[1]) <= MAX_KEEP and all(isinstance(i, int) for i in value[1])):
+        raise wire.ProtocolError(f"keep must be [start, [index, ...]] with at most {MAX_KEEP} indices")
+    return value[0], value[1]
 
 
 class StageServer:
@@ -247,6 +256,9 @@ class StageServer:
         if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise wire.ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
         mask = unpack_mask(msg.get("mask"), hidden.shape[0]) if hidden.dim() == 2 else None
+        if msg.get("keep") is not None:  # the last speculative round's accepted path, sent with the next step
+            keep_start, indices = parse_keep(msg["keep"])
+            session.runtime.keep(session.key, keep_start, indices)
         session.last_used = time.monotonic()
         return item, session, StepInput(session.key, hidden, msg["start"], mask)
 

@@ -40,14 +40,27 @@ class StepInput:
     """One session's part of a batched step.
 
     hidden: (q, hidden_size). start: position of the first token; the cache is truncated to it first.
-    tree_mask: optional (q, q) bool, row j may attend to column j' (its ancestors and itself); the
-    positions of tree tokens are start + depth. Without a mask the q tokens are a causal chain.
+    tree_mask: optional (q, w) bool with w >= q: the last q columns are this step's tokens, the first
+    w - q the cached positions just before `start` (0 for a whole tree in one step, more when a tree
+    grows level by level). Row j may attend to the columns of its ancestors and itself, and to every
+    position before the window; its position is (start - (w - q)) + ancestors. Without a mask the q
+    tokens are a causal chain.
     """
 
     session_id: str
     hidden: torch.Tensor
     start: int
     tree_mask: torch.Tensor | None = None
+
+    @property
+    def window_start(self) -> int:
+        """The first position the tree mask covers; everything before it is visible to every row."""
+        return self.start if self.tree_mask is None else self.start - (self.tree_mask.shape[1] - self.tree_mask.shape[0])
+
+    def positions(self, device) -> torch.Tensor:
+        if self.tree_mask is None:
+            return self.start + torch.arange(self.hidden.shape[0], device=device)
+        return self.window_start + tree_positions(self.tree_mask.to(device))
 
 
 def tree_positions(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -60,13 +73,13 @@ def attention_mask(inputs: list[StepInput], kv_length: int, window: int | None, 
     q_max = max(x.hidden.shape[0] for x in inputs)
     allowed = torch.zeros(len(inputs), q_max, kv_length, dtype=torch.bool, device=device)
     for row, x in enumerate(inputs):
-        q = x.hidden.shape[0]
-        allowed[row, :q, :x.start] = True
+        q, w0 = x.hidden.shape[0], x.window_start
+        allowed[row, :q, :w0] = True
         own = x.tree_mask.to(device) if x.tree_mask is not None else \
             torch.ones(q, q, dtype=torch.bool, device=device).tril()
-        allowed[row, :q, x.start:x.start + q] = own
+        allowed[row, :q, w0:x.start + q] = own
         if window is not None:
-            query_pos = x.start + (tree_positions(own) if x.tree_mask is not None else torch.arange(q, device=device))
+            query_pos = x.positions(device)
             key_pos = torch.arange(kv_length, device=device)
             allowed[row, :q] &= key_pos[None, :] > query_pos[:, None] - window
         allowed[row, q:, 0] = True  # padding rows: attend somewhere so softmax stays finite
@@ -159,8 +172,12 @@ class SpanRuntime:
             raise SessionError(f"step reaches position {x.start + q}, past max_length {kv.max_length}")
         if x.tree_mask is not None:
             m = x.tree_mask
-            if m.shape != (q, q) or m.dtype != torch.bool or not bool(m.diagonal().all()) or bool(m.triu(1).any()):
-                raise SessionError("tree_mask: expected a (tokens, tokens) bool lower-triangular mask with a true diagonal")
+            if m.dim() != 2 or m.shape[0] != q or not q <= m.shape[1] <= q + x.start or m.dtype != torch.bool:
+                raise SessionError(f"tree_mask: expected a ({q}, {q}..{q + x.start}) bool mask, "
+                                   f"got {tuple(m.shape)} {m.dtype}")
+            own = m[:, -q:]
+            if not bool(own.diagonal().all()) or bool(own.triu(1).any()):
+                raise SessionError("tree_mask: the step's own columns must be lower-triangular with a true diagonal")
 
     @torch.inference_mode()
     def step(self, inputs: list[StepInput]) -> list[torch.Tensor]:
@@ -187,9 +204,7 @@ class SpanRuntime:
         for row, x in enumerate(inputs):
             q = lengths[row]
             hidden[row, :q] = x.hidden.to(device=self.device, dtype=self.dtype)
-            depth = tree_positions(x.tree_mask.to(self.device)) if x.tree_mask is not None else \
-                torch.arange(q, device=self.device)
-            positions[row, :q] = x.start + depth
+            positions[row, :q] = x.positions(self.device)
         for kv, x in zip(sessions, inputs):
             kv.length = x.start  # rollback: whatever lay past start is overwritten
         cache = StepCache(sessions, [x.start for x in inputs], lengths, self.span.start)

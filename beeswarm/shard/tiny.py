@@ -13,8 +13,11 @@ from beeswarm.shard.tokenizer import byte_tokenizer, save_tokenizer
 def write_tiny_checkpoint(folder: Path, family: str = "llama", num_layers: int = 4, hidden_size: int = 64,
                           heads: int = 4, kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0,
                           tie_word_embeddings: bool = False, max_shard_size: str | None = None,
-                          dtype: torch.dtype = torch.float32, max_positions: int = 512) -> Path:
+                          dtype: torch.dtype = torch.float32, max_positions: int = 512,
+                          vocab_size: int | None = None) -> Path:
     """Write a random `family` model with a 257-symbol byte-level tokenizer to `folder`.
+
+    `vocab_size` below 257 makes a model for tests of sampling only: its tokenizer no longer fits.
 
     `max_shard_size` (e.g. "40KB") splits the weights into several files with an index.
     Weights are drawn with std 0.1 so hidden states differ visibly between layers.
@@ -22,7 +25,7 @@ def write_tiny_checkpoint(folder: Path, family: str = "llama", num_layers: int =
     if family not in SUPPORTED:
         raise ValueError(f"family {family!r}: expected one of {sorted(SUPPORTED)}")
     tokenizer = byte_tokenizer()
-    vocab = tokenizer.get_vocab_size()
+    vocab = vocab_size or tokenizer.get_vocab_size()
     config = AutoConfig.for_model(
         family, vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate_size, max_position_embeddings=max_positions,

@@ -1,0 +1,85 @@
+"""The local draft model: a small causal LM with its own KV cache, proposing token trees.
+
+It keeps the committed tokens it has seen in its cache; each round it reads the newly committed
+ones (the accepted path and the target's token) in one step, then grows the tree a level per step,
+each level attending to its ancestors through a windowed tree mask. Tree nodes past the committed
+length are simply overwritten next round: rolling back is a length.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from beeswarm.client.sampling import SamplingParams
+from beeswarm.shard import EntryModel, Span, SpanRuntime, checkpoint
+from beeswarm.shard.errors import ShardError
+from beeswarm.shard.loader import load_config
+from beeswarm.spec.tree import DraftTree, grow_tree
+from beeswarm.spec.tuner import TreeShape
+
+
+class DraftError(ShardError):
+    """The draft cannot serve this target (missing, or another vocabulary)."""
+
+
+def draft_ref(model: str, requested: str | None) -> str | None:
+    """The draft to use: `requested`, else the model's paired draft; None when there is none or 'none'."""
+    if requested is not None:
+        return None if requested.lower() == "none" else requested
+    return checkpoint.PAIRED_DRAFT.get(model)
+
+
+class DraftModel:
+    _ids = itertools.count()
+
+    def __init__(self, ref: str, target_vocab: int, dtype="float32", device="cpu"):
+        folder = checkpoint.resolve(ref)
+        config = load_config(folder)
+        if config.vocab_size != target_vocab:
+            raise DraftError(f"draft {ref!r} has a vocabulary of {config.vocab_size} tokens, the target "
+                             f"{target_vocab}: a draft must share the target's tokenizer")
+        self.ref = ref
+        self.entry = EntryModel(folder, dtype, device)
+        self.span = SpanRuntime(folder, Span(0, config.num_hidden_layers), dtype, device)
+        self.session: str | None = None
+        self.length = 0  # committed tokens in the cache
+
+    def reset(self, max_length: int) -> None:
+        """Start over (a new generation, or after a failover)."""
+        if self.session is not None:
+            self.span.close(self.session)
+        self.session = f"draft-{next(self._ids)}"
+        limit = self.entry.config.max_position_embeddings
+        self.span.open(self.session, min(max_length, limit))
+        self.length = 0
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.span.close(self.session)
+            self.session = None
+
+    @torch.inference_mode()
+    def propose(self, committed: list[int], shape: TreeShape, params: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftTree:
+        """A tree after `committed` (every committed token; the draft reads those it has not seen)."""
+        if self.session is None:
+            raise DraftError("reset() the draft before proposing")
+        new = committed[self.length:]
+        if not new:  # nothing new (cannot happen in a round, which always commits a token): re-read the last
+            self.length -= 1
+            new = committed[-1:]
+        hidden = self.span.step_one(self.session, self.entry.embed(torch.tensor(new)), self.length)
+        self.length = len(committed)
+        base = self.length
+
+        def level_logits(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+            first = nodes[0]  # levels are contiguous: the step holds nodes first.., the window the whole tree
+            mask = tree.ancestors()[first:first + len(nodes), :first + len(nodes)]
+            tokens = torch.tensor([tree.tokens[n] for n in nodes])
+            out = self.span.step_one(self.session, self.entry.embed(tokens), base + first, mask)
+            return self.entry.logits(out)
+
+        room = self.span.sessions[self.session].max_length - base
+        shape = TreeShape(shape.widths, min(shape.max_nodes, max(1, room)), shape.min_path_prob)
+        return grow_tree(self.entry.logits(hidden[-1:])[0], level_logits, shape, params, generator)

@@ -1,0 +1,113 @@
+"""Draft token trees: growing one level at a time, and the attention masks that run it in one pass.
+
+Nodes are numbered in breadth-first order (each level contiguous); node -1 is the root, the last
+committed token. Greedy trees give a node its draft's top-w tokens as children. Sampling trees
+draw w tokens i.i.d. from the draft's distribution at the node and keep the distinct ones as
+children: multi-candidate rejection sampling over that i.i.d. sequence leaves the output exactly
+the target's distribution. How many candidates a node gets may depend on its own path (pruning
+unlikely nodes), never on the candidates drawn.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.spec.tuner import TreeShape
+
+ROOT = -1
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # 1 for the root's children
+    # per expanded node (ROOT included): the draft distribution and the candidates drawn from it,
+    # in the order verification tries them (i.i.d. draws with repeats when sampling, top-w when greedy)
+    dists: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: dict[int, list[int]] = field(default_factory=dict)
+    _children: dict[int, dict[int, int]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+        self._children.setdefault(parent, {})[token] = node
+        return node
+
+    def child(self, node: int, token: int) -> int | None:
+        return self._children.get(node, {}).get(token)
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root's child down to `node`."""
+        out = []
+        while node != ROOT:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def ancestors(self) -> torch.Tensor:
+        """(n, n) bool: [i, j] when j is i or one of its ancestors."""
+        n = len(self.tokens)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p != ROOT:
+                anc[i] = anc[p]
+            anc[i, i] = True
+        return anc
+
+    def step_mask(self, pending: int) -> torch.Tensor:
+        """Mask for one step of `pending` committed tokens (a causal chain) followed by every node."""
+        n = len(self.tokens)
+        mask = torch.zeros(pending + n, pending + n, dtype=torch.bool)
+        mask[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+        mask[pending:, :pending] = True
+        mask[pending:, pending:] = self.ancestors()
+        return mask
+
+
+# (tree, nodes of the newest level) -> draft logits (len(nodes), vocab) predicting each node's children
+LevelLogits = Callable[[DraftTree, list[int]], torch.Tensor]
+
+
+def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeShape, params: SamplingParams,
+              generator: torch.Generator | None = None) -> DraftTree:
+    """Grow a tree of `shape` from the draft's logits after the last committed token."""
+    tree = DraftTree()
+    frontier = [(ROOT, root_logits, 1.0)]  # node, draft logits for its children, draft path probability
+    for depth, width in enumerate(shape.widths, start=1):
+        level: list[tuple[int, float]] = []
+        for node, logits, path_prob in sorted(frontier, key=lambda f: -f[2]):
+            room = shape.max_nodes - len(tree)
+            if room <= 0:
+                break
+            if node != ROOT and path_prob < shape.min_path_prob:
+                continue
+            dist = draft_distribution(logits, params)
+            draws = min(width, room)
+            if params.greedy:
+                candidates = dist.topk(draws).indices.tolist()
+            else:
+                candidates = torch.multinomial(dist, draws, replacement=True, generator=generator).tolist()
+            tree.dists[node], tree.candidates[node] = dist, candidates
+            for token in dict.fromkeys(candidates):
+                level.append((tree.add(node, token), path_prob * float(dist[token])))
+        if not level or depth == shape.depth:
+            break
+        logits = level_logits(tree, [node for node, _ in level])
+        frontier = [(node, logits[i], p) for i, (node, p) in enumerate(level)]
+    return tree
+
+
+def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What the draft proposes from: the sampling distribution, or plain softmax for greedy trees."""
+    if params.greedy:
+        return torch.softmax(logits.float(), dim=-1)
+    return probabilities(logits, params)

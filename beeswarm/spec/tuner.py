@@ -1,0 +1,188 @@
+"""Choose the draft tree for the next round: depth K and per-depth widths, from measured figures.
+
+A round costs `K * draft_level_s + fixed_s + per_token_s * tokens`: the draft's K levels, the
+target pass around the ring (compute + one-way latencies, `C + T_ring`), and what each extra token
+in the step adds (compute and transfer on every hop). It commits `1 + sum_k prod_{d<=k} hit_d(w_d)`
+tokens on average, where `hit_d(w)` is the chance the target's token is among `w` candidates at
+depth d, from running acceptance counts. The tuner maximises tokens per second. With every width 1
+this is the closed form `(1 - a^(K+1)) / (1 - a) / (K*c_d + C + T_ring)`.
+
+Pure: no torch, no networking.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_DEPTH = 32
+MAX_WIDTH = 4
+MAX_TREE_NODES = 64
+# Acceptance before any round is measured: a draft paired with its target usually agrees about half
+# the time; later candidates at a node are accepted far less often than the first.
+PRIOR_FIRST, PRIOR_LATER, PRIOR_WEIGHT = 0.5, 0.15, 2.0
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Depth K and the number of children each node at depth d gets (widths[d-1]); all 1: a chain."""
+
+    widths: tuple[int, ...]
+    max_nodes: int = MAX_TREE_NODES
+    min_path_prob: float = 0.0  # nodes less likely than this (under the draft) are not expanded
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.widths) <= MAX_DEPTH or any(not 1 <= w <= MAX_WIDTH for w in self.widths):
+            raise ValueError(f"tree shape: depth 1..{MAX_DEPTH} and widths 1..{MAX_WIDTH}, got {list(self.widths)}")
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def full_nodes(self) -> int:
+        total, level = 0, 1
+        for w in self.widths:
+            level *= w
+            total += level
+        return total
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the tree may have: the full tree, capped at max_nodes."""
+        return min(self.full_nodes, self.max_nodes)
+
+    @classmethod
+    def chain(cls, depth: int) -> TreeShape:
+        return cls((1,) * depth)
+
+
+@dataclass
+class AcceptanceStats:
+    """Running counts per (depth, candidate index): how often the i-th candidate at depth d was accepted."""
+
+    tried: dict[tuple[int, int], float] = field(default_factory=dict)
+    accepted: dict[tuple[int, int], float] = field(default_factory=dict)
+    constant: float | None = None  # a fixed acceptance for every depth and candidate (the closed form)
+
+    def record(self, depth: int, candidate: int, accepted: bool) -> None:
+        key = (depth, candidate)
+        self.tried[key] = self.tried.get(key, 0.0) + 1
+        self.accepted[key] = self.accepted.get(key, 0.0) + accepted
+
+    def rate(self, depth: int, candidate: int) -> float:
+        if self.constant is not None:
+            return self.constant if candidate == 0 else 0.0
+        # Shrink each depth's estimate towards the same candidate index at every depth.
+        pooled_n = sum(n for (_, i), n in self.tried.items() if i == candidate)
+        pooled_k = sum(k for (_, i), k in self.accepted.items() if i == candidate)
+        prior = PRIOR_FIRST if candidate == 0 else PRIOR_LATER
+        pooled = (pooled_k + PRIOR_WEIGHT * prior) / (pooled_n + PRIOR_WEIGHT)
+        n, k = self.tried.get((depth, candidate), 0.0), self.accepted.get((depth, candidate), 0.0)
+        return (k + PRIOR_WEIGHT * pooled) / (n + PRIOR_WEIGHT)
+
+    def hit(self, depth: int, width: int) -> float:
+        """Chance one of `width` candidates at `depth` is accepted, given the path reached depth - 1."""
+        miss = 1.0
+        for i in range(width):
+            miss *= 1.0 - self.rate(depth, i)
+        return 1.0 - miss
+
+    def by_depth(self) -> list[float]:
+        """Measured acceptance of the path at each depth (any candidate), for reports."""
+        out = []
+        for d in range(1, MAX_DEPTH + 1):
+            reached = self.tried.get((d, 0), 0.0)
+            if not reached:
+                break
+            out.append(round(sum(k for (dd, _), k in self.accepted.items() if dd == d) / reached, 4))
+        return out
+
+
+@dataclass
+class RoundCosts:
+    """Seconds: one draft level, the ring's fixed part (C + T_ring), and each token a step carries."""
+
+    draft_level_s: float = 0.002
+    fixed_s: float = 0.05
+    per_token_s: float = 0.0
+
+
+def expected_tokens(shape: TreeShape, stats: AcceptanceStats) -> float:
+    """Tokens a round commits on average: the accepted path plus the target's own next token."""
+    total, reach = 1.0, 1.0
+    for d, w in enumerate(shape.widths, start=1):
+        reach *= stats.hit(d, w)
+        total += reach
+    return total
+
+
+def round_seconds(shape: TreeShape, costs: RoundCosts, pending: int = 1) -> float:
+    return shape.depth * costs.draft_level_s + costs.fixed_s + costs.per_token_s * (pending + shape.nodes)
+
+
+def rate(shape: TreeShape, stats: AcceptanceStats, costs: RoundCosts) -> float:
+    return expected_tokens(shape, stats) / round_seconds(shape, costs)
+
+
+def candidate_shapes(depth: int | None = None, width: int | None = None, max_nodes: int = MAX_TREE_NODES):
+    """Shapes the tuner considers: width w for the first j depths, then a chain (full trees grow fast)."""
+    for k in [depth] if depth else range(1, MAX_DEPTH + 1):
+        widths = [width] if width else range(1, MAX_WIDTH + 1)
+        for w in widths:
+            for j in ([k] if width or w == 1 else range(1, min(k, 4) + 1)):
+                shape = TreeShape((w,) * j + (1,) * (k - j), max_nodes)
+                if shape.full_nodes <= max_nodes or width:
+                    yield shape
+
+
+@dataclass
+class Tuner:
+    """Picks the shape with the best expected tokens per second; `depth`/`width` pin either."""
+
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    costs: RoundCosts = field(default_factory=RoundCosts)
+    depth: int | None = None
+    width: int | None = None
+
+    def choose(self) -> TreeShape:
+        best = max(candidate_shapes(self.depth, self.width), key=lambda s: rate(s, self.stats, self.costs))
+        if self.link_bound():
+            # Transfer dominates: skip expanding nodes the draft itself finds unlikely.
+            return TreeShape(best.widths, best.max_nodes, min_path_prob=0.02)
+        return best
+
+    def link_bound(self) -> bool:
+        return self.costs.per_token_s * MAX_TREE_NODES > self.costs.fixed_s
+
+
+@dataclass
+class CostMeter:
+    """Running estimates of RoundCosts from measured rounds (exponential averages, recent fit)."""
+
+    costs: RoundCosts = field(default_factory=RoundCosts)
+    alpha: float = 0.3
+    window: int = 32
+    _passes: list[tuple[int, float]] = field(default_factory=list)
+    _measured: bool = False
+
+    def observe(self, draft_s: float, levels: int, tokens: int, pass_s: float) -> None:
+        """One round: the draft's time over `levels` levels, and the target pass of `tokens` tokens."""
+        self._passes = (self._passes + [(tokens, pass_s)])[-self.window:]
+        self.costs.per_token_s = self._slope()
+        fixed = max(0.0, pass_s - self.costs.per_token_s * tokens)
+        level = draft_s / max(1, levels)
+        if not self._measured:
+            self.costs.fixed_s, self.costs.draft_level_s, self._measured = fixed, level, True
+        else:
+            self.costs.fixed_s += self.alpha * (fixed - self.costs.fixed_s)
+            self.costs.draft_level_s += self.alpha * (level - self.costs.draft_level_s)
+
+    def _slope(self) -> float:
+        """Least-squares seconds per token over recent passes; 0 until their sizes differ enough."""
+        xs = [x for x, _ in self._passes]
+        if len(xs) < 4 or max(xs) - min(xs) < 8:
+            return self.costs.per_token_s
+        mx = sum(xs) / len(xs)
+        my = sum(y for _, y in self._passes) / len(xs)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        sxy = sum((x - mx) * (y - my) for x, y in self._passes)
+        return max(0.0, sxy / sxx)

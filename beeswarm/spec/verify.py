@@ -1,0 +1,81 @@
+"""Verification of a draft tree against the target's logits from one pass.
+
+Greedy: follow the children that equal the target's argmax; the target's token after the last
+accepted node comes free. Sampling: at each node try the drawn candidates in order, accepting x
+with probability min(1, p(x)/q(x)) and otherwise replacing p by the residual norm(max(0, p - q));
+when every candidate fails, draw from the residual (SpecInfer's multi-step speculative sampling).
+The committed tokens are then distributed exactly as sampling the target token by token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.spec.tree import ROOT, DraftTree
+
+# node (ROOT: the last committed token) -> the target's logits for the token after it
+TargetLogits = Callable[[int], torch.Tensor]
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted nodes, root's child first
+    bonus: int  # the target's own token after the path
+    # (depth, candidate index, accepted) for every candidate tried: the tuner's acceptance counts
+    trials: list[tuple[int, int, bool]] = field(default_factory=list)
+
+    def tokens(self, tree: DraftTree) -> list[int]:
+        return [tree.tokens[n] for n in self.path] + [self.bonus]
+
+
+def verify(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
+           generator: torch.Generator | None = None) -> Verdict:
+    return (verify_greedy if params.greedy else verify_sampling)(tree, target_logits, params, generator)
+
+
+def verify_greedy(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
+                  generator: torch.Generator | None = None) -> Verdict:
+    verdict, node, depth = Verdict([], 0), ROOT, 1
+    while True:
+        token = int(target_logits(node).argmax())
+        candidates = tree.candidates.get(node, [])
+        for i, c in enumerate(candidates):
+            verdict.trials.append((depth, i, c == token))
+            if c == token:
+                break
+        child = tree.child(node, token)
+        if child is None:
+            verdict.bonus = token
+            return verdict
+        verdict.path.append(child)
+        node, depth = child, depth + 1
+
+
+def verify_sampling(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
+                    generator: torch.Generator | None = None) -> Verdict:
+    verdict, node, depth = Verdict([], 0), ROOT, 1
+    while True:
+        p = probabilities(target_logits(node), params)
+        q = tree.dists.get(node)
+        accepted = None
+        for i, x in enumerate(tree.candidates.get(node, [])):
+            u = float(torch.rand((), generator=generator))
+            ok = u * float(q[x]) < float(p[x])
+            verdict.trials.append((depth, i, ok))
+            if ok:
+                accepted = x
+                break
+            residual = (p - q).clamp_(min=0)
+            total = float(residual.sum())
+            if total <= 0:  # p == q up to rounding: a rejection had probability ~0; keep p
+                continue
+            p = residual / total
+        if accepted is None:
+            verdict.bonus = int(torch.multinomial(p, 1, generator=generator))
+            return verdict
+        node = tree.child(node, accepted)
+        verdict.path.append(node)
+        depth += 1

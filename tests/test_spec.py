@@ -1,0 +1,190 @@
+"""Speculative decoding: tree masks and KV compaction, exact sampling, greedy identity, the tuner."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from beeswarm.client.generate import generate
+from beeswarm.client.local import LocalPipeline
+from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.shard.tiny import write_tiny_checkpoint
+from beeswarm.spec.decode import SpecReport, speculative_generate
+from beeswarm.spec.draft import DraftError, DraftModel
+from beeswarm.spec.tree import ROOT, DraftTree, grow_tree
+from beeswarm.spec.tuner import AcceptanceStats, RoundCosts, TreeShape, Tuner, rate
+from beeswarm.spec.verify import Verdict, verify
+
+PROMPT = [5, 100, 200, 33, 7, 9]
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def tinycode():
+    return LocalPipeline("tinycode", stages=2, dtype="float32", device="cpu")
+
+
+def draft(pipe) -> DraftModel:
+    return DraftModel("tinycode-draft", pipe.entry.config.vocab_size)
+
+
+def plain_logits(pipe, ids: list[int]) -> torch.Tensor:
+    session = pipe.open(len(ids))
+    try:
+        return pipe.forward(session, torch.tensor(ids), 0)
+    finally:
+        pipe.close(session)
+
+
+def test_tree_pass_and_kv_compaction_equal_each_path_run_alone(tinycode):
+    d = draft(tinycode)
+    d.reset(64)
+    tree = d.propose(PROMPT, TreeShape((3, 2, 2)), GREEDY)
+    assert len(tree) == 3 + 6 + 12 and max(tree.depths) == 3
+    pending = PROMPT[-2:]  # two committed tokens not yet in the target's cache, then the tree
+    session = tinycode.open(64)
+    tinycode.forward(session, torch.tensor(PROMPT[:-2]), 0)
+    logits = tinycode.forward(session, torch.tensor(pending + tree.tokens), len(PROMPT) - 2, tree.step_mask(2))
+    for node in range(len(tree)):
+        path = [tree.tokens[n] for n in tree.path(node)]
+        alone = plain_logits(tinycode, PROMPT + path)[-1]
+        torch.testing.assert_close(logits[2 + node], alone, atol=1e-4, rtol=1e-4)
+    # keep one deep path; the next step sees exactly the prompt + that path
+    leaf = len(tree) - 1
+    kept = [0, 1] + [2 + n for n in tree.path(leaf)]
+    path = [tree.tokens[n] for n in tree.path(leaf)]
+    after = tinycode.forward(session, torch.tensor([42]), len(PROMPT) + len(path), keep=(len(PROMPT) - 2, kept))
+    torch.testing.assert_close(after[-1], plain_logits(tinycode, PROMPT + path + [42])[-1], atol=1e-4, rtol=1e-4)
+    tinycode.close(session)
+
+
+@pytest.mark.parametrize("tuner", [Tuner(width=1), Tuner(depth=3, width=2), Tuner(depth=2, width=4),
+                                   Tuner(costs=RoundCosts(0.001, 0.3, 0.0))],
+                         ids=["chain", "tree-3x2", "tree-2x4", "tuned-slow-ring"])
+def test_greedy_speculation_equals_plain_greedy(tinycode, tuner):
+    session = tinycode.open(200)
+    plain = generate(lambda t, s: tinycode.forward(session, t, s), PROMPT, 60, GREEDY)
+    tinycode.close(session)
+    session = tinycode.open(200 + 80)
+    report = SpecReport()
+    spec = speculative_generate(lambda t, s, m, k: tinycode.forward(session, t, s, m, k), draft(tinycode), PROMPT,
+                                60, GREEDY, tuner, report=report, max_length=280)
+    tinycode.close(session)
+    assert spec.tokens == plain.tokens
+    assert report.rounds < 59  # some rounds committed more than one token
+    assert sum(report.accepted) + report.rounds + 1 >= 60
+    assert 0 < report.acceptance_by_depth[0] <= 1
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path):
+    other = write_tiny_checkpoint(tmp_path / "other", num_layers=1, vocab_size=100)
+    with pytest.raises(DraftError, match="vocabulary of 100 tokens"):
+        DraftModel(str(other), 2048)
+
+
+# --- exact sampling -------------------------------------------------------------------------------
+VOCAB = 5
+ROUND_SHAPE = TreeShape((2, 2))
+SAMPLES = 20_000
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_logits(tmp_path_factory):
+    """Target and draft logits after every context of up to 3 tokens (two random 5-token models)."""
+    tables = []
+    for seed, layers in ((0, 2), (7, 1)):
+        folder = write_tiny_checkpoint(tmp_path_factory.mktemp(f"v{seed}"), num_layers=layers, seed=seed,
+                                       hidden_size=32, intermediate_size=64, vocab_size=VOCAB)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        table = {}
+        with torch.no_grad():
+            for n in range(4):
+                for ctx in itertools.product(range(VOCAB), repeat=n):
+                    # sharpen: random tiny models are nearly uniform, which would hide a biased rule
+                    table[ctx] = 4 * model(torch.tensor([[1, 2, *ctx]])).logits[0, -1]
+        tables.append(table)
+    return tables
+
+
+def two_tokens(target, draft_table, params, generator, verifier) -> tuple[int, int]:
+    """Speculative rounds over looked-up logits until two tokens are committed."""
+    ctx: tuple[int, ...] = ()
+    while len(ctx) < 2:
+        def path(tree: DraftTree, node: int) -> tuple[int, ...]:
+            return ctx + tuple(tree.tokens[n] for n in tree.path(node)) if node != ROOT else ctx
+
+        tree = grow_tree(draft_table[ctx], lambda t, nodes: torch.stack([draft_table[path(t, n)] for n in nodes]),
+                         ROUND_SHAPE, params, generator)
+        ctx += tuple(verifier(tree, lambda node: target[path(tree, node)], params, generator).tokens(tree))
+    return ctx[0], ctx[1]
+
+
+def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """p-value of a chi-square goodness-of-fit test, cells with expected < 5 pooled."""
+    impossible = expected == 0
+    if counts[impossible].sum() > 0:
+        return 0.0
+    counts, expected = counts[~impossible], expected[~impossible]
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)]) if small.any() else counts
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)]) if small.any() else expected
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2), torch.tensor(stat / 2)))
+
+
+def verify_without_residual(tree, target_logits, params, generator=None) -> Verdict:
+    """A plausible-looking but wrong rule: after a rejection, keep drawing from p instead of the residual."""
+    verdict, node = Verdict([], 0), ROOT
+    while True:
+        p = probabilities(target_logits(node), params)
+        q, accepted = tree.dists.get(node), None
+        for x in tree.candidates.get(node, []):
+            if float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x]):
+                accepted = x
+                break
+        if accepted is None:
+            verdict.bonus = int(torch.multinomial(p, 1, generator=generator))
+            return verdict
+        node = tree.child(node, accepted)
+        verdict.path.append(node)
+
+
+@pytest.mark.parametrize("verifier,exact", [(verify, True), (verify_without_residual, False)],
+                         ids=["multi-candidate-rejection", "wrong-rule"])
+def test_speculative_sampling_leaves_the_target_distribution(tiny_vocab_logits, verifier, exact):
+    target, draft_table = tiny_vocab_logits
+    params = SamplingParams(temperature=0.9, top_p=0.9)
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.zeros(VOCAB * VOCAB)
+    for _ in range(SAMPLES):
+        a, b = two_tokens(target, draft_table, params, generator, verifier)
+        counts[a * VOCAB + b] += 1
+    first = probabilities(target[()], params)
+    expected = torch.stack([first[a] * probabilities(target[(a,)], params)
+                            for a in range(VOCAB)]).reshape(-1) * SAMPLES
+    p = chi_square_p(counts, expected)
+    assert (p > 0.01) if exact else (p < 0.01), f"chi-square p = {p:.3g}"
+
+
+# --- tuner ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("a,best", [(0.6, 6), (0.7, 8), (0.8, 12), (0.9, 21)])
+def test_tuner_chain_depth_matches_the_closed_form(a, best):
+    stats, costs = AcceptanceStats(constant=a), RoundCosts(draft_level_s=0.005, fixed_s=0.033 + 0.280)
+    chosen = Tuner(stats, costs, width=1).choose()
+    closed = [(1 - a ** (k + 1)) / (1 - a) / (k * 0.005 + 0.313) for k in range(1, 33)]
+    assert chosen.widths == (1,) * chosen.depth
+    assert chosen.depth == best or rate(chosen, stats, costs) >= 0.995 * max(closed)
+    assert rate(chosen, stats, costs) == pytest.approx(closed[chosen.depth - 1])
+
+
+def test_tuner_widens_trees_on_a_slow_ring_and_narrows_them_on_a_thin_link():
+    stats = AcceptanceStats()
+    for _ in range(200):  # first candidate accepted half the time, the second a third of the rest
+        stats.record(1, 0, True), stats.record(1, 0, False), stats.record(1, 1, True), stats.record(1, 1, False)
+        stats.record(1, 1, False)
+    slow_ring = Tuner(stats, RoundCosts(0.001, 0.3, 0.0)).choose()
+    thin_link = Tuner(stats, RoundCosts(0.001, 0.3, 0.02)).choose()
+    assert max(slow_ring.widths) > 1
+    assert thin_link.nodes < slow_ring.nodes and thin_link.min_path_prob > 0
