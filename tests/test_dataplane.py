@@ -95,6 +95,9 @@ def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_ll
         channel.send(wire.pack(wire.message("step", entry=entry_node.peer_id, session=bad, step=10**6, start=0,
                                             frame=frame)))
     channel.send(b"\xff" * 100)
+    for keep in ("garbage", [0, [99]], [0, list(range(5000))]):  # malformed, out of range, oversized
+        channel.send(wire.pack(wire.message("step", entry=entry_node.peer_id, session=bad, step=10**6, start=0,
+                                            frame=tensors.encode(torch.zeros(1, 64)), keep=keep)))
     # the good session carries on where it was
     more = generate(lambda t, s: pipe.forward(good, t, s), [1, 2, 3] + first, 4, SamplingParams()).tokens
     assert first + more == reference_greedy(tiny_llama, [1, 2, 3], 8)

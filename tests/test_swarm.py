@@ -18,6 +18,7 @@ from beeswarm.client.sampling import SamplingParams
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import budgets
 from beeswarm.shard import EntryModel
+from beeswarm.shard.tiny import write_tiny_checkpoint
 from helpers import reference_greedy, wait_for
 
 
@@ -83,14 +84,21 @@ def test_local_swarm_serves_a_chat_joined_by_url_and_stops_cleanly(tiny_llama, e
         url = f"http://127.0.0.1:{server.server_port}/{os.path.basename(descriptor)}"
         tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
         try:
-            for prompt in ("def f(x):", "hello"):
+            # the tiny model has no paired draft: plain decoding; then a draft of our own (same tokenizer)
+            draft = write_tiny_checkpoint(tmp_path / "draft", num_layers=1, seed=5)
+            for prompt, extra in (("def f(x):", []), ("hello", ["--draft", str(draft), "--spec-width", "2"])):
                 chat = subprocess.run([sys.executable, "-m", "beeswarm", "chat", "--join", url, "--model",
                                        str(tiny_llama), "--prompt", prompt, "--max-new-tokens", "12", "--greedy",
-                                       "--json", "--heartbeat", "1"], capture_output=True, text=True, timeout=120,
-                                      env=env)
+                                       "--json", "--heartbeat", "1", *extra], capture_output=True, text=True,
+                                      timeout=120, env=env)
                 assert chat.returncode == 0, chat.stderr
                 result = json.loads(chat.stdout)
                 assert result["tokens"] == reference_greedy(tiny_llama, tokenizer.encode(prompt), 12), chat.stderr
+                if extra:
+                    assert 1 <= result["rounds"] <= 11 and result["spec"]["widths"][0] == 2
+                    assert len(result["acceptance_by_depth"]) >= 1
+                else:
+                    assert result["spec"] is None and result["rounds"] is None
                 route = [(h["start"], h["end"]) for h in result["route"]]  # may differ from the first plan:
                 assert route[0][0] == 0 and route[-1][1] == 8  # measured links can move the spans
                 assert all(a[1] == b[0] for a, b in zip(route, route[1:]))

@@ -50,7 +50,7 @@ class SwarmClient:
     def __init__(self, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None,
                  interval: float = 3.0, mode: str = "push", listen: list[str] | None = None,
                  link_bytes_per_s: float | None = None, micro_batches: int | None = None,
-                 draft: DraftModel | None = None, tuner: Tuner | None = None):
+                 draft: DraftModel | None = None, tuner: Tuner | None = None, announce: list[str] | None = None):
         """`micro_batches`: chunks a prompt is cut into (None: the plan's figure). `draft`: speculate
         with it (None: one token per pass); `tuner` keeps its acceptance figures across generations."""
         self.entry, self.mode, self.link_bytes_per_s = entry, mode, link_bytes_per_s
@@ -58,7 +58,8 @@ class SwarmClient:
         self.draft, self.tuner = draft, tuner or Tuner()
         self.speculate = draft is not None
         me = identity.ephemeral()
-        self.node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], bootstrap=bootstrap, secret=secret))
+        self.node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], announce=announce or [],
+                                        bootstrap=bootstrap, secret=secret))
         self.members = Membership(self.node, NodeInfo(peer=me.peer_id, role="client", state="serving"),
                                   interval=interval)
         config = entry.config

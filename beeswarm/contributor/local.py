@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,8 +80,12 @@ def threads_per_process(processes: int) -> int:
 
 class LocalSwarm:
     def __init__(self, n: int, model: str = "tinycode", base_port: int = 0, heartbeat: float = 1.0,
-                 log_level: str = "WARNING", state_dir: Path | None = None, device: str = "auto"):
+                 log_level: str = "WARNING", state_dir: Path | None = None, device: str = "auto",
+                 announce: list[str] | None = None, on_spawn: Callable[[int, int], None] | None = None):
+        """`announce`: per child, the multiaddr peers should dial instead of its own (a link emulator's);
+        `on_spawn(index, pid)` is called as each child starts, before it can dial anyone."""
         self.n, self.model, self.base_port, self.heartbeat = n, model, base_port, heartbeat
+        self.announce, self.on_spawn = announce, on_spawn
         self.log_level, self.device = log_level, device
         # One folder per run: two local swarms on one machine must not share identities.
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="swarm-", dir=_runs_dir()))
@@ -94,6 +99,8 @@ class LocalSwarm:
                "--device", self.device, "--heartbeat", str(self.heartbeat)]
         if join:
             cmd += ["--join", join]
+        if self.announce:
+            cmd += ["--announce", self.announce[index]]
         env = {**os.environ, "BEESWARM_CONFIG_DIR": str(self.state_dir / f"node{index}"),
                "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(self.n)))}
@@ -104,6 +111,8 @@ class LocalSwarm:
                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         log_file.close()  # the child holds its own descriptor
         child = Child(index, process)
+        if self.on_spawn:
+            self.on_spawn(index, process.pid)
         threading.Thread(target=self._read, args=(child,), daemon=True, name=f"child-{index}").start()
         return child
 

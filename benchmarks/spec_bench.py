@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Speculative decoding over a slow ring: tinycode on 3 local stages behind the link emulator.
+
+Each stage's inbound links carry a one-way delay (130, 40 and 110 ms: a 280 ms ring whatever the
+planner's order), the entry's none. Prompts are the starts of held-out stdlib files (the ones
+tinycode's training left out). Measures decode tokens/s (after the first token) without
+speculation, with chain drafts and with tuned trees, the measured acceptance, and the closed form
+`(1 - a^(K+1)) / (1 - a) / (K*c_d + C + T_ring)` at the measured a, c_d and C.
+
+    python benchmarks/spec_bench.py [--json] [--tokens 48] [--prompts 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+from linkemu import Link, LinkEmulator  # noqa: E402
+from train_tinycode import read, stdlib_files  # noqa: E402
+
+from beeswarm.client.sampling import SamplingParams  # noqa: E402
+from beeswarm.client.swarm import SwarmClient  # noqa: E402
+from beeswarm.contributor.local import LocalSwarm, threads_per_process  # noqa: E402
+from beeswarm.shard import EntryModel  # noqa: E402
+from beeswarm.spec.draft import DraftModel  # noqa: E402
+from beeswarm.spec.tuner import Tuner  # noqa: E402
+
+DELAYS_S = {"s0": 0.130, "s1": 0.040, "s2": 0.110, "entry": 0.0}  # one way, into each node
+RING_S = sum(DELAYS_S.values())
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def consecutive_free_ports(n: int) -> list[int]:
+    for base in range(23000, 60000, 97):
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return list(range(base, base + n))
+    raise RuntimeError("no free ports")
+
+
+def prompts(tokenizer, count: int, length: int = 48) -> list[list[int]]:
+    _, held_out = stdlib_files()
+    out = []
+    for path in held_out:
+        ids = tokenizer.encode(read(path)[:4 * length])
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == count:
+            break
+    return out
+
+
+def decode_rate(gen) -> float:
+    return (len(gen.tokens) - 1) / (gen.seconds - gen.ttft_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(threads_per_process(4))
+    real, proxy = consecutive_free_ports(3) + free_ports(1), free_ports(4)
+    emu = LinkEmulator(lambda src, dst: Link(delay_s=DELAYS_S.get(dst, 0.0)))
+    for i, name in enumerate(["s0", "s1", "s2", "entry"]):
+        emu.add_node(name, real[i], proxy[i])
+    emu.register("entry", os.getpid())
+    emu.start()
+    swarm = LocalSwarm(3, "tinycode", heartbeat=1.0, base_port=real[0],
+                       announce=[f"/ip4/127.0.0.1/tcp/{p}" for p in proxy[:3]],
+                       on_spawn=lambda i, pid: emu.register(f"s{i}", pid))
+    greedy = SamplingParams()
+    rows = {}
+    try:
+        bootstrap = swarm.start()
+        swarm.wait_ready(timeout=180)
+        entry = EntryModel.load("tinycode", "float32", "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(str(entry.folder))
+        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=[f"/ip4/127.0.0.1/tcp/{real[3]}"],
+                             announce=[f"/ip4/127.0.0.1/tcp/{proxy[3]}"], micro_batches=1,
+                             draft=DraftModel("tinycode-draft", entry.config.vocab_size))
+        try:
+            client.generate([1, 2, 3], 4, greedy)  # warm up every channel
+            texts = prompts(tokenizer, args.prompts)
+            for name, speculate, tuner in (("plain", False, None), ("chain", True, Tuner(width=1)),
+                                           ("tree", True, Tuner())):
+                client.speculate, client.tuner = speculate, tuner or Tuner()
+                rates, reports = [], []
+                for ids in texts:
+                    out = client.generate(ids, args.tokens, greedy)
+                    rates.append(decode_rate(out.generation))
+                    reports.append(out.spec)
+                rows[name] = (statistics.median(rates), client.tuner, reports)
+                print(f"{name}: {rows[name][0]:.2f} tok/s", file=sys.stderr, flush=True)
+        finally:
+            client.close()
+    finally:
+        swarm.stop()
+        emu.stop()
+    plain = rows["plain"][0]
+    chain_tuner, chain_reports = rows["chain"][1], rows["chain"][2]
+    a = sum(chain_tuner.stats.accepted.values()) / max(1, sum(chain_tuner.stats.tried.values()))
+    c_d = chain_tuner.costs.draft_level_s
+    # C: a verification pass as the tuner measured it (its fixed part), less the ring's latency
+    compute = max(0.0, chain_tuner.costs.fixed_s - RING_S)
+    depth = statistics.median(r.as_json()["spec"]["depth"] for r in chain_reports)
+    closed = (1 - a ** (depth + 1)) / (1 - a) / (depth * c_d + compute + RING_S)
+    row = {"plain_tokens_per_s": round(plain, 3), "chain_tokens_per_s": round(rows["chain"][0], 3),
+           "tree_tokens_per_s": round(rows["tree"][0], 3), "acceptance": round(a, 4),
+           "closed_form_tokens_per_s": round(closed, 3), "ratio_to_closed_form": round(rows["chain"][0] / closed, 3),
+           "chain_depth": depth, "draft_level_s": round(c_d, 4), "compute_s": round(compute, 4), "ring_s": RING_S,
+           "plain_pass_s": round(1 / plain, 4),
+           "tree_shape": rows["tree"][2][-1].as_json()["spec"], "speedup_tree": round(rows["tree"][0] / plain, 2),
+           "speedup_chain": round(rows["chain"][0] / plain, 2), "unknown_dialers": emu.unknown_dialers,
+           "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(row) if args.json else "\n".join(f"{k:28} {v}" for k, v in row.items()))
+
+
+if __name__ == "__main__":
+    main()
