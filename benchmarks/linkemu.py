@@ -8,16 +8,21 @@ the registered process holding it). A link serialises bytes at its rate (shared 
 connection on it) and delivers each chunk `delay` later, in order.
 
     emu = LinkEmulator(lambda src, dst: Link(delay_s=0.040, rate_bps=100e6))
-    proxy_port = emu.add_node("s1", real_port)
+    emu.add_node("s1", real_port, proxy_port)
     emu.register("s1", pid)
     emu.start(); ...; emu.stop()
+
+`EmulatorProcess` runs it in a process of its own (what the benchmarks use).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +126,11 @@ class LinkEmulator:
         self._loop.run_forever()
         for server in self._servers:
             server.close()
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.close()
 
     # one proxied connection -----------------------------------------------------------------------
@@ -134,9 +144,12 @@ class LinkEmulator:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pump(reader, up_writer, self.direction(dialer, name)),
-                             self._pump(up_reader, writer, self.direction(name, dialer)),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(self._pump(reader, up_writer, self.direction(dialer, name)),
+                                 self._pump(up_reader, writer, self.direction(name, dialer)),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:  # the emulator is stopping
+            pass
 
     async def _pump(self, reader, writer, direction: _Direction) -> None:
         loop = asyncio.get_running_loop()
@@ -175,5 +188,51 @@ class LinkEmulator:
             try:
                 await sender
                 writer.close()
-            except (ConnectionError, OSError):
-                pass
+            except (ConnectionError, OSError, asyncio.CancelledError):
+                sender.cancel()
+
+
+class EmulatorProcess:
+    """The emulator in a process of its own, so it shares no GIL with the processes it measures.
+
+    `delays`: one-way delay in seconds of the links into each node; `rate_bps` for every link.
+    """
+
+    def __init__(self, nodes: list[tuple[str, int, int]], delays: dict[str, float], rate_bps: float | None = None):
+        spec = {"nodes": nodes, "delays": delays, "rate_bps": rate_bps}
+        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("link emulator process did not start")
+        self.unknown_dialers = 0
+
+    def register(self, name: str, pid: int) -> None:
+        self.proc.stdin.write(f"{name} {pid}\n")
+        self.proc.stdin.flush()
+        if self.proc.stdout.readline().strip() != "ok":
+            raise RuntimeError("link emulator process did not take the registration")
+
+    def stop(self) -> None:
+        self.proc.stdin.close()  # the emulator reports and exits on end of input
+        line = self.proc.stdout.readline().split()
+        self.unknown_dialers = int(line[1]) if line[:1] == ["unknown"] else -1
+        self.proc.wait(10)
+
+
+def _serve_from_stdin(spec: dict) -> None:
+    delays, rate = spec["delays"], spec["rate_bps"]
+    emu = LinkEmulator(lambda src, dst: Link(delays.get(dst, 0.0), rate))
+    for name, real, proxy in spec["nodes"]:
+        emu.add_node(name, real, proxy)
+    emu.start()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name, pid = line.split()
+        emu.register(name, int(pid))
+        print("ok", flush=True)
+    print(f"unknown {emu.unknown_dialers}", flush=True)
+    emu.stop()
+
+
+if __name__ == "__main__":
+    _serve_from_stdin(json.loads(sys.argv[1]))

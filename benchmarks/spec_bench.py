@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-from linkemu import Link, LinkEmulator  # noqa: E402
+from linkemu import EmulatorProcess  # noqa: E402
 from train_tinycode import read, stdlib_files  # noqa: E402
 
 from beeswarm.client.sampling import SamplingParams  # noqa: E402
@@ -85,11 +85,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(threads_per_process(4))
     real, proxy = consecutive_free_ports(3) + free_ports(1), free_ports(4)
-    emu = LinkEmulator(lambda src, dst: Link(delay_s=DELAYS_S.get(dst, 0.0)))
-    for i, name in enumerate(["s0", "s1", "s2", "entry"]):
-        emu.add_node(name, real[i], proxy[i])
+    emu = EmulatorProcess([(name, real[i], proxy[i]) for i, name in enumerate(["s0", "s1", "s2", "entry"])],
+                          DELAYS_S)
     emu.register("entry", os.getpid())
-    emu.start()
     swarm = LocalSwarm(3, "tinycode", heartbeat=1.0, base_port=real[0],
                        announce=[f"/ip4/127.0.0.1/tcp/{p}" for p in proxy[:3]],
                        on_spawn=lambda i, pid: emu.register(f"s{i}", pid))
