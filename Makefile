@@ -9,15 +9,23 @@ STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test install
+BUNDLE := dist/beeswarm/beeswarm
+
+.PHONY: demo test install bundle
 
 demo: $(STAMP)
 	$(VENV)/bin/beeswarm demo $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+# The bundle's smoke tests (tests/test_bundle.py) run the binary built here; rebuilt when sources change.
+test: $(STAMP) $(BUNDLE)
+	BEESWARM_REQUIRE_BUNDLE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
+
+bundle: $(BUNDLE)
+
+$(BUNDLE): $(STAMP) $(shell find beeswarm packaging -type f -not -name '*.pyc' -not -path '*/__pycache__/*')
+	PY=$(PY) packaging/build.sh
 
 $(STAMP): pyproject.toml
 	@# libp2p builds fastecdsa from source: it needs libgmp's headers.
@@ -29,6 +37,6 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "beeswarm needs Python >= 3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench,bundle]'
 	rm -f $(VENV)/.installed-*
 	touch $@

@@ -191,7 +191,7 @@ def cmd_swarm(args) -> int:
     import signal
     import threading
 
-    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError, threads_per_process
+    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError
 
     swarm = LocalSwarm(args.local, args.model, args.base_port, heartbeat=args.heartbeat, device=args.device)
     stop = threading.Event()

@@ -1,6 +1,9 @@
 """Small helpers shared by the tests."""
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -28,3 +31,36 @@ def reference_greedy(folder, prompt_ids: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def lines_of(proc):
+    """Yield the process's stdout lines from a background reader (so reads never block the test)."""
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line.rstrip()) for line in proc.stdout], daemon=True).start()
+    return q
+
+
+def read_until(q, prefix, timeout):
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if line.startswith(prefix):
+            return line, seen
+    raise AssertionError(f"no {prefix!r} line within {timeout} s; saw {seen}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is as good as gone
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" not in f.read()
+    except OSError:
+        return False

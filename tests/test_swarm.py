@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -19,42 +18,7 @@ from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import budgets
 from beeswarm.shard import EntryModel
 from beeswarm.shard.tiny import write_tiny_checkpoint
-from helpers import reference_greedy, wait_for
-
-
-def lines_of(proc):
-    """Yield the process's stdout lines from a background reader (so reads never block the test)."""
-    import queue
-
-    q: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [q.put(line.rstrip()) for line in proc.stdout], daemon=True).start()
-    return q
-
-
-def read_until(q, prefix, timeout):
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        try:
-            line = q.get(timeout=0.2)
-        except Exception:  # noqa: BLE001 - queue.Empty
-            continue
-        seen.append(line)
-        if line.startswith(prefix):
-            return line, seen
-    raise AssertionError(f"no {prefix!r} line within {timeout} s; saw {seen}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is as good as gone
-        with open(f"/proc/{pid}/status") as f:
-            return "State:\tZ" not in f.read()
-    except OSError:
-        return False
+from helpers import alive, lines_of, read_until, reference_greedy, wait_for
 
 
 @pytest.fixture

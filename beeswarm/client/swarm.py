@@ -114,11 +114,13 @@ class SwarmClient:
         tokens: list[int] = []
         routes: list[list[Hop]] = []
         t0, ttft, recoveries = time.perf_counter(), None, 0
+        last = t0  # the time of the last token: closing the sessions after it is not generation time
 
         def emit(token: int) -> None:
-            nonlocal ttft
+            nonlocal ttft, last
+            last = time.perf_counter()
             if ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft = last - t0
             tokens.append(token)
             if on_token:
                 on_token(token)
@@ -155,6 +157,6 @@ class SwarmClient:
                     raise
             if tokens and tokens[-1] in set(stop_ids) or len(tokens) >= max_new_tokens:
                 break
-        gen = Generation(tokens, len(prompt_ids), ttft or 0.0, time.perf_counter() - t0)
+        gen = Generation(tokens, len(prompt_ids), ttft or 0.0, last - t0)
         return SwarmGeneration(gen, routes[-1], recoveries, sum(p.wire_bytes for p in self._pipes.values()),
                                sum(p.raw_bytes for p in self._pipes.values()), routes, report)

@@ -69,6 +69,11 @@ def budgets(model: str, n: int, dtype: str = "auto", device: str = "auto") -> li
     return [math.ceil(len(span) * per_layer * 1.05) for span in even_splits(config.num_hidden_layers, n)]
 
 
+def beeswarm_command() -> list[str]:
+    """How to run beeswarm again: the bundle's own binary when frozen by PyInstaller, else `python -m`."""
+    return [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "beeswarm"]
+
+
 def threads_per_process(processes: int) -> int:
     """Torch threads for each of `processes` sharing this machine's cores.
 
@@ -94,7 +99,7 @@ class LocalSwarm:
 
     def _spawn(self, index: int, budget: int, join: str | None) -> Child:
         port = self.base_port + index if self.base_port else 0
-        cmd = [sys.executable, "-m", "beeswarm", "--log-level", self.log_level, "contribute", "--headless",
+        cmd = [*beeswarm_command(), "--log-level", self.log_level, "contribute", "--headless",
                "--model", self.model, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory", str(budget),
                "--device", self.device, "--heartbeat", str(self.heartbeat)]
         if join:

@@ -23,6 +23,7 @@ TargetForward = Callable[[torch.Tensor, int, torch.Tensor | None, tuple[int, lis
 class SpecReport:
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted in each round
+    tried: list[int] = field(default_factory=list)  # candidates verification tried in each round
     shapes: collections.Counter = field(default_factory=collections.Counter)
     acceptance_by_depth: list[float] = field(default_factory=list)
 
@@ -76,13 +77,13 @@ def speculative_generate(forward: TargetForward, draft: DraftModel, prompt_ids: 
         t_pass = time.perf_counter()
         ids = torch.tensor(pending + tree.tokens)
         logits = forward(ids, length, tree.step_mask(len(pending)), keep)
-        meter.observe(t_pass - t_draft, shape.depth, len(ids), time.perf_counter() - t_pass)
         p = len(pending)
         verdict = verify(tree, lambda node: logits[p - 1 if node == ROOT else p + node], params, generator)
         for depth, candidate, ok in verdict.trials:
             tuner.stats.record(depth, candidate, ok)
         report.rounds += 1
         report.accepted.append(len(verdict.path))
+        report.tried.append(len(verdict.trials))
         report.shapes[shape.widths] += 1
         keep = (length, list(range(p)) + [p + n for n in verdict.path])
         length += p + len(verdict.path)
@@ -90,6 +91,8 @@ def speculative_generate(forward: TargetForward, draft: DraftModel, prompt_ids: 
         pending = new[-1:]
         committed += new
         going = commit(new)
+        # the round's time past the draft: the pass around the ring, verification and emitting
+        meter.observe(t_pass - t_draft, shape.depth, len(ids), time.perf_counter() - t_pass)
     report.acceptance_by_depth = tuner.stats.by_depth()
     draft.close()
     return Generation(tokens, len(prompt_ids), ttft, time.perf_counter() - t0)

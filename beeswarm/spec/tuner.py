@@ -68,23 +68,33 @@ class AcceptanceStats:
         self.tried[key] = self.tried.get(key, 0.0) + 1
         self.accepted[key] = self.accepted.get(key, 0.0) + accepted
 
-    def rate(self, depth: int, candidate: int) -> float:
+    def rate(self, depth: int, candidate: int, pooled: float | None = None) -> float:
         if self.constant is not None:
             return self.constant if candidate == 0 else 0.0
         # Shrink each depth's estimate towards the same candidate index at every depth.
-        pooled_n = sum(n for (_, i), n in self.tried.items() if i == candidate)
-        pooled_k = sum(k for (_, i), k in self.accepted.items() if i == candidate)
-        prior = PRIOR_FIRST if candidate == 0 else PRIOR_LATER
-        pooled = (pooled_k + PRIOR_WEIGHT * prior) / (pooled_n + PRIOR_WEIGHT)
+        pooled = self.pooled(candidate) if pooled is None else pooled
         n, k = self.tried.get((depth, candidate), 0.0), self.accepted.get((depth, candidate), 0.0)
         return (k + PRIOR_WEIGHT * pooled) / (n + PRIOR_WEIGHT)
 
-    def hit(self, depth: int, width: int) -> float:
-        """Chance one of `width` candidates at `depth` is accepted, given the path reached depth - 1."""
-        miss = 1.0
-        for i in range(width):
-            miss *= 1.0 - self.rate(depth, i)
-        return 1.0 - miss
+    def pooled(self, candidate: int) -> float:
+        n = sum(n for (_, i), n in self.tried.items() if i == candidate)
+        k = sum(k for (_, i), k in self.accepted.items() if i == candidate)
+        prior = PRIOR_FIRST if candidate == 0 else PRIOR_LATER
+        return (k + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT)
+
+    def hits(self) -> list[list[float]]:
+        """[d - 1][w - 1]: the chance one of w candidates at depth d is accepted, given the path reached
+        depth d - 1 (candidates missing independently)."""
+        pooled = [self.pooled(i) for i in range(MAX_WIDTH)]
+        rates = [[self.rate(d, i, pooled[i]) for i in range(MAX_WIDTH)] for d in range(1, MAX_DEPTH + 1)]
+        table = []
+        for row in rates:
+            miss, out = 1.0, []
+            for r in row:
+                miss *= 1.0 - r
+                out.append(1.0 - miss)
+            table.append(out)
+        return table
 
     def by_depth(self) -> list[float]:
         """Measured acceptance of the path at each depth (any candidate), for reports."""
@@ -106,11 +116,12 @@ class RoundCosts:
     per_token_s: float = 0.0
 
 
-def expected_tokens(shape: TreeShape, stats: AcceptanceStats) -> float:
+def expected_tokens(shape: TreeShape, stats: AcceptanceStats, hits: list[list[float]] | None = None) -> float:
     """Tokens a round commits on average: the accepted path plus the target's own next token."""
+    hits = hits or stats.hits()
     total, reach = 1.0, 1.0
-    for d, w in enumerate(shape.widths, start=1):
-        reach *= stats.hit(d, w)
+    for d, w in enumerate(shape.widths):
+        reach *= hits[d][w - 1]
         total += reach
     return total
 
@@ -119,8 +130,8 @@ def round_seconds(shape: TreeShape, costs: RoundCosts, pending: int = 1) -> floa
     return shape.depth * costs.draft_level_s + costs.fixed_s + costs.per_token_s * (pending + shape.nodes)
 
 
-def rate(shape: TreeShape, stats: AcceptanceStats, costs: RoundCosts) -> float:
-    return expected_tokens(shape, stats) / round_seconds(shape, costs)
+def rate(shape: TreeShape, stats: AcceptanceStats, costs: RoundCosts, hits: list[list[float]] | None = None) -> float:
+    return expected_tokens(shape, stats, hits) / round_seconds(shape, costs)
 
 
 def candidate_shapes(depth: int | None = None, width: int | None = None, max_nodes: int = MAX_TREE_NODES):
@@ -144,7 +155,8 @@ class Tuner:
     width: int | None = None
 
     def choose(self) -> TreeShape:
-        best = max(candidate_shapes(self.depth, self.width), key=lambda s: rate(s, self.stats, self.costs))
+        hits = self.stats.hits()
+        best = max(candidate_shapes(self.depth, self.width), key=lambda s: rate(s, self.stats, self.costs, hits))
         if self.link_bound():
             # Transfer dominates: skip expanding nodes the draft itself finds unlikely.
             return TreeShape(best.widths, best.max_nodes, min_path_prob=0.02)

@@ -1,0 +1,4 @@
+"""The bundle's entry point (PyInstaller runs this file as __main__)."""
+from beeswarm.cli import main
+
+raise SystemExit(main())

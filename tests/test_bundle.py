@@ -1,0 +1,62 @@
+"""The PyInstaller bundle, run as a volunteer without Python would run it.
+
+`make test` builds it first (`make bundle`) and sets BEESWARM_REQUIRE_BUNDLE, so there a missing
+bundle fails; a bare `pytest` skips these tests until `make bundle` has been run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import alive, lines_of, read_until, wait_for
+
+BUNDLE = Path(os.environ.get("BEESWARM_BUNDLE", Path(__file__).parent.parent / "dist" / "beeswarm" / "beeswarm"))
+pytestmark = pytest.mark.skipif(not BUNDLE.exists() and not os.environ.get("BEESWARM_REQUIRE_BUNDLE"),
+                                reason="no bundle: run `make bundle`")
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "BEESWARM_"))}
+    return {**e, "BEESWARM_CONFIG_DIR": str(tmp_path / "config"), "BEESWARM_CACHE_DIR": str(tmp_path / "cache"),
+            "PATH": "/usr/bin:/bin"}  # nothing of the project's Python on the path
+
+
+def run(env, *args, timeout=120):
+    assert BUNDLE.exists(), f"{BUNDLE} is missing: run `make bundle`"
+    return subprocess.run([str(BUNDLE), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_version(env):
+    out = run(env, "--version", timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("beeswarm "), out.stderr
+
+
+def test_demo_runs_a_local_swarm_from_the_bundle(env):
+    out = run(env, "demo", "--prompt", "def ", "--max-new-tokens", "8", "--greedy", "--json", timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert 1 <= result["new_tokens"] <= 8 and len(result["route"]) == 3
+    assert result["rounds"] >= 1  # tinycode's draft ships in the bundle: speculation is on
+
+
+def test_contribute_and_chat_start_headless_and_quit_cleanly(env, tmp_path):
+    swarm = subprocess.Popen([str(BUNDLE), "swarm", "--local", "2"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        _, seen = read_until(lines_of(swarm), "ready", 180)
+        descriptor = next(line.split()[1] for line in seen if line.startswith("descriptor "))
+        pids = [int(line.split()[3]) for line in seen if line.startswith("contributor ")]
+        chat = run(env, "chat", "--join", json.load(open(descriptor))["bootstrap"][0], "--prompt", "import ",
+                   "--max-new-tokens", "6", "--greedy", "--json", "--no-spec", timeout=180)
+        assert chat.returncode == 0, chat.stderr[-3000:]
+        assert json.loads(chat.stdout)["new_tokens"] >= 1
+    finally:
+        swarm.send_signal(signal.SIGTERM)
+        assert swarm.wait(30) == 0
+    wait_for(lambda: not any(alive(p) for p in pids), 15, "every contributor of the bundle to exit")
