@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -25,40 +23,16 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-from linkemu import EmulatorProcess  # noqa: E402
+from emulated import EmulatedSwarm  # noqa: E402
 from train_tinycode import read, stdlib_files  # noqa: E402
 
 from beeswarm.client.sampling import SamplingParams  # noqa: E402
-from beeswarm.client.swarm import SwarmClient  # noqa: E402
-from beeswarm.contributor.local import LocalSwarm, threads_per_process  # noqa: E402
-from beeswarm.shard import EntryModel  # noqa: E402
+from beeswarm.contributor.local import threads_per_process  # noqa: E402
 from beeswarm.spec.draft import DraftModel  # noqa: E402
 from beeswarm.spec.tuner import Tuner  # noqa: E402
 
 DELAYS_S = {"s0": 0.130, "s1": 0.040, "s2": 0.110, "entry": 0.0}  # one way, into each node
 RING_S = sum(DELAYS_S.values())
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def consecutive_free_ports(n: int) -> list[int]:
-    for base in range(23000, 60000, 97):
-        try:
-            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return list(range(base, base + n))
-    raise RuntimeError("no free ports")
 
 
 def prompts(tokenizer, count: int, length: int = 48) -> list[list[int]]:
@@ -80,33 +54,15 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(threads_per_process(4))
-    real, proxy = consecutive_free_ports(3) + free_ports(1), free_ports(4)
-    emu = EmulatorProcess([(name, real[i], proxy[i]) for i, name in enumerate(["s0", "s1", "s2", "entry"])],
-                          DELAYS_S)
-    emu.register("entry", os.getpid())
-    swarm = LocalSwarm(3, "tinycode", heartbeat=1.0, base_port=real[0],
-                       announce=[f"/ip4/127.0.0.1/tcp/{p}" for p in proxy[:3]],
-                       on_spawn=lambda i, pid: emu.register(f"s{i}", pid))
+    emulated = EmulatedSwarm("tinycode", 3, DELAYS_S)
     greedy = SamplingParams()
     rows = {}
     try:
-        bootstrap = swarm.start()
-        swarm.wait_ready(timeout=180)
-        entry = EntryModel.load("tinycode", "float32", "cpu")
-        tokenizer = AutoTokenizer.from_pretrained(str(entry.folder))
-        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=[f"/ip4/127.0.0.1/tcp/{real[3]}"],
-                             announce=[f"/ip4/127.0.0.1/tcp/{proxy[3]}"], micro_batches=1,
-                             draft=DraftModel("tinycode-draft", entry.config.vocab_size))
+        emulated.start()
+        client = emulated.client(micro_batches=1)
+        client.draft = DraftModel("tinycode-draft", client.entry.config.vocab_size)
+        tokenizer = AutoTokenizer.from_pretrained(str(client.entry.folder))
         try:
-            # Warm up every channel, and wait out the re-plan that follows the first link probes
-            # (a route change mid-run costs a recovery: exact output, but seconds of waiting).
-            last = None
-            for _ in range(15):
-                out = client.generate([1, 2, 3], 4, greedy)
-                if out.recoveries == 0 and out.route == last:
-                    break
-                last = out.route
-                time.sleep(2)
             texts = prompts(tokenizer, args.prompts)
             for name, speculate, tuner in (("plain", False, None), ("chain", True, Tuner(width=1)),
                                            ("tree", True, Tuner())):
@@ -127,8 +83,7 @@ def main() -> None:
         finally:
             client.close()
     finally:
-        swarm.stop()
-        emu.stop()
+        emulated.stop()
     plain = rows["plain"][0]
     chain_tuner, chain_reports = rows["chain"][1], rows["chain"][2]
     a = sum(chain_tuner.stats.accepted.values()) / max(1, sum(chain_tuner.stats.tried.values()))
@@ -154,7 +109,7 @@ def main() -> None:
            "chain_depth": depth, "draft_level_s": round(c_d, 4), "compute_s": round(compute, 4), "ring_s": RING_S,
            "plain_pass_s": round(1 / plain, 4),
            "tree_shape": rows["tree"][2][-1][0].as_json()["spec"], "speedup_tree": round(rows["tree"][0] / plain, 2),
-           "speedup_chain": round(rows["chain"][0] / plain, 2), "unknown_dialers": emu.unknown_dialers,
+           "speedup_chain": round(rows["chain"][0] / plain, 2), "unknown_dialers": emulated.emu.unknown_dialers,
            "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(row) if args.json else "\n".join(f"{k:28} {v}" for k, v in row.items()))
 

@@ -1,19 +1,40 @@
 #!/usr/bin/env python3
-"""Swarm benchmark on loopback: a 3-process local swarm against the same model in one process.
+"""Swarm benchmarks: loopback, and the emulated internet links of scenarios E1-E5 and the ring sweep.
 
-Measures single-stream decode tokens/s (after the first token) and the time to first token for a
-512-token prompt (in one piece, and cut into 4 micro-batches that pipeline across the stages),
-through the push chain and through client hops.
+loopback: a 3-process local swarm against the same model in one process: single-stream decode
+tokens/s (after the first token) and the time to first token for a 512-token prompt (in one
+piece, and cut into 4 micro-batches that pipeline across the stages), push chain and client hops.
 
-    python benchmarks/swarm_bench.py --scenario loopback [--model tinycode] [--json]
+envs: the `wide` model (random, 2048 wide, 3 layers) on 3 stages + entry behind the link emulator,
+each environment's bandwidth and delay on every link, `baseline` (client hops, raw frames, no
+micro-batching: the way Petals serves) against `beeswarm` (push chain, adaptive codec, the plan's
+micro-batches): batch throughput (8 sequences, 128-token prompts, 64 new tokens), single-stream
+decode, TTFT of a 512-token prompt, wire and raw bytes.
+
+ring: single-stream decode over rings of 0-280 ms against 1 / (C + T_ring).
+
+envs and ring save JSON under benchmarks/results/ and regenerate BENCHMARKS.md's scenario section
+and plots (benchmarks/report.py).
+
+    python benchmarks/swarm_bench.py --scenario loopback|envs|ring|all [--env E4 ...] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import sys
+import threading
+import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import report  # noqa: E402
+from emulated import EmulatedSwarm  # noqa: E402
 
 from beeswarm.client.generate import generate
 from beeswarm.client.local import LocalPipeline
@@ -21,6 +42,8 @@ from beeswarm.client.sampling import SamplingParams
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import LocalSwarm, threads_per_process
 from beeswarm.shard import EntryModel
+
+RESULTS = Path(__file__).parent / "results"
 
 DECODE_TOKENS = 64
 LONG_PROMPT = 512
@@ -32,13 +55,7 @@ def decode_rate(gen) -> float:
     return (len(gen.tokens) - 1) / (gen.seconds - gen.ttft_s)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", choices=["loopback"], default="loopback")
-    ap.add_argument("--model", default="tinycode")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+def loopback(args) -> dict:
     greedy = SamplingParams()
     prompt = list(range(1, 9))
     long_prompt = [(7 * i) % 1000 + 1 for i in range(LONG_PROMPT)]
@@ -79,17 +96,143 @@ def main() -> None:
             results[mode] = (rate, ttft, ttft_m4)
     finally:
         swarm.stop()
-    row = {"scenario": args.scenario, "model": args.model,
-           "swarm_tokens_per_s": round(results["push"][0], 2),
-           "client_hops_tokens_per_s": round(results["hops"][0], 2),
-           "single_process_tokens_per_s": round(single, 2),
-           "ttft_s_m1": round(results["push"][1], 4), "ttft_s_planned": round(results["push"][2], 4),
-           "micro_batches": MICRO_BATCHES, "ttft_s_single_process": round(single_ttft, 4)}
-    if args.json:
-        print(json.dumps(row))
-    else:
-        for k, v in row.items():
-            print(f"{k:30} {v}")
+    return {"scenario": "loopback", "model": args.model,
+            "swarm_tokens_per_s": round(results["push"][0], 2),
+            "client_hops_tokens_per_s": round(results["hops"][0], 2),
+            "single_process_tokens_per_s": round(single, 2),
+            "ttft_s_m1": round(results["push"][1], 4), "ttft_s_planned": round(results["push"][2], 4),
+            "micro_batches": MICRO_BATCHES, "ttft_s_single_process": round(single_ttft, 4)}
+
+
+# --- emulated internet links -----------------------------------------------------------------------
+# env: (bandwidth per link, bit/s; one-way delay per link, s)
+ENVS = {"E1": (1e9, 0.0025), "E2": (500e6, 0.010), "E3": (200e6, 0.020), "E4": (100e6, 0.040), "E5": (20e6, 0.050)}
+# config: (route mode, compression, micro-batches: None = the plan's)
+CONFIGS = {"baseline": ("hops", False, 1), "beeswarm": ("push", True, None)}
+RING_MS = [0, 2, 20, 60, 150, 280]
+BATCH, BATCH_PROMPT, BATCH_NEW, SINGLE_NEW = 8, 128, 64, 32
+WIDE = {"hidden_size": 2048, "num_layers": 3, "heads": 16, "kv_heads": 4, "intermediate_size": 2048,
+        "vocab_size": 512, "max_positions": 1024}
+
+
+def wide_model() -> str:
+    """The `wide` benchmark model (random weights, 2048 wide, 3 layers), written once to the cache."""
+    from beeswarm.config import cache_dir
+    from beeswarm.shard.tiny import write_tiny_checkpoint
+
+    folder = cache_dir() / "bench-models" / "wide-2048x3"
+    if not (folder / "config.json").exists():
+        write_tiny_checkpoint(folder, **WIDE)
+    return str(folder)
+
+
+def every_link(names: list[str], delay_s: float) -> dict[str, float]:
+    return {name: delay_s for name in names}
+
+
+def batch_run(client, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
+    """Generate for every prompt at once (one thread each): (tokens/s, wire bytes, raw bytes)."""
+    wire0 = sum(p.wire_bytes for p in client._pipes.values())
+    raw0 = sum(p.raw_bytes for p in client._pipes.values())
+    done: list[int] = []
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda ids=ids: done.append(
+        len(client.generate(ids, new_tokens, SamplingParams()).generation.tokens))) for ids in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    wire = sum(p.wire_bytes for p in client._pipes.values()) - wire0
+    raw = sum(p.raw_bytes for p in client._pipes.values()) - raw0
+    return sum(done) / seconds, wire, raw
+
+
+def envs(args) -> list[dict]:
+    model = wide_model()
+    rows = []
+    emulated = EmulatedSwarm(model, 3)
+    try:
+        emulated.start()
+        client = emulated.client()
+        prompts = [[(31 * i + 7 * j) % 500 + 1 for j in range(BATCH_PROMPT)] for i in range(BATCH)]
+        long_prompt = [(7 * i) % 500 + 1 for i in range(LONG_PROMPT)]
+        for env, (rate, delay) in ENVS.items():
+            if args.env and env not in args.env:
+                continue
+            emulated.set_links(every_link(emulated.names, delay), rate)
+            for config, (mode, compress, micro) in CONFIGS.items():
+                client.mode, client.compress, client.micro_batches = mode, compress, micro
+                EmulatedSwarm.settle(client, tries=2)  # open channels for this mode
+                batch, wire, raw = batch_run(client, prompts, BATCH_NEW)
+                single = decode_rate(client.generate(prompts[0][:16], SINGLE_NEW, SamplingParams()).generation)
+                ttft = client.generate(long_prompt, 1, SamplingParams()).generation.ttft_s
+                row = {"env": env, "config": config, "batch_tokens_per_s": round(batch, 3),
+                       "decode_tokens_per_s": round(single, 3), "ttft_s": round(ttft, 4),
+                       "wire_bytes": wire, "raw_bytes": raw}
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                rows.append(row)
+    finally:
+        emulated.stop()
+    return rows
+
+
+def ring(args) -> list[dict]:
+    """Single-stream decode over rings of growing latency against 1 / (C + T_ring), C measured at 0 ms."""
+    rows = []
+    emulated = EmulatedSwarm(wide_model(), 3)
+    try:
+        emulated.start()
+        client = emulated.client()
+        prompt = list(range(1, 17))
+        compute = None
+        for ring_ms in RING_MS:
+            # the ring has n + 1 links (entry -> s0 -> ... -> entry): share its one-way latency evenly
+            emulated.set_links(every_link(emulated.names, ring_ms / 1000 / (emulated.n + 1)), None)
+            EmulatedSwarm.settle(client, tries=1)
+            rate = statistics.median(decode_rate(client.generate(prompt, SINGLE_NEW, SamplingParams()).generation)
+                                     for _ in range(args.repeat))
+            if compute is None:
+                compute = 1 / rate
+            row = {"ring_ms": ring_ms, "decode_tokens_per_s": round(rate, 3),
+                   "analytical_tokens_per_s": round(1 / (compute + ring_ms / 1000), 3)}
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+    finally:
+        emulated.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", choices=["loopback", "envs", "ring", "all"], default="loopback")
+    ap.add_argument("--model", default="tinycode", help="loopback only (envs and ring use the wide model)")
+    ap.add_argument("--env", action="append", default=[], help="only these environments (E1..E5)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-report", action="store_true", help="do not regenerate BENCHMARKS.md and the plots")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    scenarios = ["envs", "ring"] if args.scenario == "all" else [args.scenario]
+    out: dict[str, object] = {}
+    for scenario in scenarios:
+        if scenario == "loopback":
+            out[scenario] = loopback(args)
+            continue
+        torch.set_num_threads(threads_per_process(4))
+        out[scenario] = {"envs": envs, "ring": ring}[scenario](args)
+        (RESULTS / f"{scenario}.json").write_text(json.dumps(
+            {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "rows": out[scenario]}, indent=1))
+    if not args.no_report and any(s != "loopback" for s in scenarios):
+        report.render()
+    for scenario, result in out.items():
+        rows = result if isinstance(result, list) else [result]
+        for row in rows:
+            print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
+
+
+def machine() -> str:
+    return f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

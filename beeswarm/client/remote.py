@@ -96,13 +96,14 @@ class Hop:
 
 class RemotePipeline:
     def __init__(self, node: Node, entry: EntryModel, route: list[Hop], mode: str = "push",
-                 link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0):
+                 link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0, compress: bool = True):
+        """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons)."""
         if mode not in ("push", "hops"):
             raise ValueError(f"mode must be push or hops, got {mode!r}")
         if not route or route[0].start != 0 or any(a.end != b.start for a, b in zip(route, route[1:])) or \
                 route[-1].end != entry.config.num_hidden_layers:
             raise ValueError(f"route {route} does not cover layers [0, {entry.config.num_hidden_layers}) in order")
-        self.node, self.entry, self.route, self.mode = node, entry, route, mode
+        self.node, self.entry, self.route, self.mode, self.compress = node, entry, route, mode, compress
         self.step_timeout_s = step_timeout_s
         self.links = {hop.peer: codec.LinkCodec(link_bytes_per_s) for hop in route}
         self._inbox = _Inbox.of(node)
@@ -130,7 +131,7 @@ class RemotePipeline:
             prev = self.route[i - 1].peer if push and i > 0 else self.node.peer_id
             nxt = self.route[i + 1].peer if push and not last else None
             self._request(hop, wire.message("open", session=session, max_length=max_length, prev=prev, next=nxt,
-                                            layers=[hop.start, hop.end]))
+                                            layers=[hop.start, hop.end], compress=self.compress))
         return session
 
     def close(self, session: str) -> None:
@@ -177,7 +178,8 @@ class RemotePipeline:
                    tree_mask: torch.Tensor | None, keep: tuple[int, list[int]] | None) -> int:
         step = next(self._step_ids)
         msg = wire.message("step", entry=self.node.peer_id, session=session, step=step, start=start,
-                           frame=tensors.encode(hidden, self.links[hop.peer]), mask=pack_mask(tree_mask),
+                           frame=tensors.encode(hidden, self.links[hop.peer], "auto" if self.compress else "raw"),
+                           mask=pack_mask(tree_mask),
                            keep=None if keep is None else [keep[0], list(keep[1])])
         self._inbox.expect((session, step))
         try:

@@ -50,11 +50,13 @@ class SwarmClient:
     def __init__(self, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None,
                  interval: float = 3.0, mode: str = "push", listen: list[str] | None = None,
                  link_bytes_per_s: float | None = None, micro_batches: int | None = None,
-                 draft: DraftModel | None = None, tuner: Tuner | None = None, announce: list[str] | None = None):
+                 draft: DraftModel | None = None, tuner: Tuner | None = None, announce: list[str] | None = None,
+                 compress: bool = True):
         """`micro_batches`: chunks a prompt is cut into (None: the plan's figure). `draft`: speculate
-        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations."""
+        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations.
+        `compress=False`: raw frames on every hop (the baseline the benchmarks compare against)."""
         self.entry, self.mode, self.link_bytes_per_s = entry, mode, link_bytes_per_s
-        self.micro_batches = micro_batches
+        self.micro_batches, self.compress = micro_batches, compress
         self.draft, self.tuner = draft, tuner or Tuner()
         self.speculate = draft is not None
         me = identity.ephemeral()
@@ -102,10 +104,18 @@ class SwarmClient:
         return 1
 
     def _pipeline(self, route: list[Hop]) -> RemotePipeline:
-        key = tuple(route)
+        key = (tuple(route), self.mode, self.compress)
         if key not in self._pipes:
-            self._pipes[key] = RemotePipeline(self.node, self.entry, route, self.mode, self.link_bytes_per_s)
-        return self._pipes[key]
+            self._pipes[key] = RemotePipeline(self.node, self.entry, route, self.mode, self.link_bytes_per_s,
+                                              compress=self.compress)
+        pipe = self._pipes[key]
+        if self.link_bytes_per_s is None:  # the stages' probes of their links from this node
+            view = self.members.view()
+            for hop in route:
+                measured = view[hop.peer].links.get(self.node.peer_id) if hop.peer in view else None
+                if measured and measured[2] > 0:
+                    pipe.links[hop.peer].link_bytes_per_s = measured[2] * 1e6 / 8
+        return pipe
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids=(), on_token: Callable[[int], None] | None = None,

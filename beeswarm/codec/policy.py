@@ -117,10 +117,12 @@ class LinkCodec:
     _ratios: dict[tuple[str, str], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def encode(self, buffer, dtype: str, shape: tuple[int, ...]) -> bytes:
+    def encode(self, buffer, dtype: str, shape: tuple[int, ...], layout: str = "auto") -> bytes:
+        """A frame in `layout` (auto: the policy's choice for this link), counted."""
         nbytes = memoryview(buffer).nbytes
-        ratios = {layout: r for (d, layout), r in self._ratios.items() if d == dtype}
-        layout = choose_layout(nbytes, dtype, self.link_bytes_per_s, ratios)
+        if layout == "auto":
+            ratios = {name: r for (d, name), r in self._ratios.items() if d == dtype}
+            layout = choose_layout(nbytes, dtype, self.link_bytes_per_s, ratios)
         t = time.perf_counter()
         out = frame.encode_layout(buffer, dtype, shape, layout)
         elapsed = time.perf_counter() - t

@@ -81,6 +81,10 @@ class Contributor:
         self.stopping.wait()
         self._leave()
 
+    def _link_rate(self, peer: str) -> float | None:
+        probe = self.prober.cached(peer)
+        return probe.up_mbps * 1e6 / 8 if probe and probe.up_mbps > 0 else None
+
     def stop(self) -> None:
         self.stopping.set()
 
@@ -127,7 +131,8 @@ class Contributor:
         with self._lock:
             if self.server is None:
                 weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
-                self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights)).start()
+                self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
+                                          link_rate=self._link_rate).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading = span, None

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ class _Session:
     prev: str  # the only peer whose steps are accepted
     next: str | None  # None: return results to the entry
     last_used: float
+    compress: bool = True  # False: raw frames (the entry asked for no compression, for comparisons)
 
 
 @dataclass
@@ -80,10 +82,12 @@ def parse_keep(value) -> tuple[int, list[int]]:
 
 class StageServer:
     def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
-                 link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None):
-        """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows)."""
+                 link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None,
+                 link_rate: Callable[[str], float | None] | None = None):
+        """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows);
+        `link_rate(peer)`: measured bytes/s towards a peer (link probes), for the codec's choice."""
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
-        self.link_bytes_per_s = link_bytes_per_s
+        self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
         self.steps_done = 0
         self._queue: queue.Queue[_Step | None] = queue.Queue()
@@ -124,13 +128,19 @@ class StageServer:
 
     def link(self, peer: str) -> codec.LinkCodec:
         with self._lock:
-            return self._codecs.setdefault(peer, codec.LinkCodec(self.link_bytes_per_s))
+            link = self._codecs.setdefault(peer, codec.LinkCodec(self.link_bytes_per_s))
+        rate = self.link_rate(peer) if self.link_rate else None
+        if rate:
+            link.link_bytes_per_s = rate
+        return link
 
     # sessions ---------------------------------------------------------------------------------
     def _on_session(self, peer: str, msg: dict) -> dict:
         self._expire_idle()
         if msg["t"] == "open":
             wire.expect(msg, "open", session=str, max_length=int, prev=str, layers=list)
+            if not isinstance(msg.get("compress", True), bool):
+                raise wire.ProtocolError("field 'compress' of 'open' must be a bool")
             nxt = msg.get("next")
             if nxt is not None and not isinstance(nxt, str):
                 raise wire.ProtocolError("field 'next' of 'open' must be a peer id or null")
@@ -154,7 +164,8 @@ class StageServer:
             except SessionError as e:
                 return wire.error(str(e))
             with self._lock:
-                self.sessions[key] = _Session(key, runtime, peer, msg["session"], msg["prev"], nxt, time.monotonic())
+                self.sessions[key] = _Session(key, runtime, peer, msg["session"], msg["prev"], nxt, time.monotonic(),
+                                              msg.get("compress", True))
             return wire.message("opened", layers=list(layers))
         wire.expect(msg, ("close", "keep"), session=str)
         key = f"{peer}/{msg['session']}"
@@ -264,13 +275,14 @@ class StageServer:
 
     def _forward(self, item: _Step, session: _Session, out: torch.Tensor) -> None:
         msg = item.msg
+        layout = "auto" if session.compress else "raw"
         if session.next is None:
             target, protocol = session.entry, RESULT_PROTOCOL
             reply = wire.message("result", session=session.session, step=msg["step"],
-                                 frame=tensors.encode(out, self.link(target)))
+                                 frame=tensors.encode(out, self.link(target), layout))
         else:
             target, protocol = session.next, STEP_PROTOCOL
-            reply = {**msg, "frame": tensors.encode(out, self.link(target))}
+            reply = {**msg, "frame": tensors.encode(out, self.link(target), layout)}
         try:
             self._channel(target, protocol).send(wire.pack(reply))
         except NodeError as e:

@@ -18,8 +18,8 @@ def encode(tensor: torch.Tensor, link: codec.LinkCodec | None = None, layout: st
     t = tensor.detach().to("cpu").contiguous()
     buf = t.view(_CARRIER.get(t.dtype, t.dtype)).numpy()
     name, shape = _NAMES[tensor.dtype], tuple(t.shape)
-    if link is not None and layout == "auto":
-        return link.encode(buf, name, shape)
+    if link is not None:
+        return link.encode(buf, name, shape, layout)
     return codec.encode(buf, name, shape, layout=layout)
 
 

@@ -1,0 +1,86 @@
+"""A local swarm whose every connection crosses the link emulator, and the entry that uses it.
+
+Each of the N stages and the entry listens on its own port and announces a proxy's port instead;
+the emulator (its own process) gives every directed link its delay and rate, and `set_links`
+changes them between measurements without restarting anything.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from linkemu import EmulatorProcess
+
+from beeswarm.client.sampling import SamplingParams
+from beeswarm.client.swarm import SwarmClient
+from beeswarm.contributor.local import LocalSwarm
+from beeswarm.shard import EntryModel
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def consecutive_free_ports(n: int) -> list[int]:
+    for base in range(23000, 60000, 97):
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return list(range(base, base + n))
+    raise RuntimeError("no free ports")
+
+
+class EmulatedSwarm:
+    """`delays`: one-way seconds into each node ("s0".. "s{n-1}", "entry"); `rate_bps` on every link."""
+
+    def __init__(self, model: str, n: int = 3, delays: dict[str, float] | None = None,
+                 rate_bps: float | None = None):
+        self.model, self.n = model, n
+        self.names = [f"s{i}" for i in range(n)] + ["entry"]
+        self.real, self.proxy = consecutive_free_ports(n) + free_ports(1), free_ports(n + 1)
+        self.emu = EmulatorProcess(list(zip(self.names, self.real, self.proxy)), delays or {}, rate_bps)
+        self.emu.register("entry", os.getpid())
+        self.swarm = LocalSwarm(n, model, heartbeat=1.0, base_port=self.real[0],
+                                announce=[f"/ip4/127.0.0.1/tcp/{p}" for p in self.proxy[:n]],
+                                on_spawn=lambda i, pid: self.emu.register(f"s{i}", pid))
+        self.bootstrap: str | None = None
+
+    def start(self) -> EmulatedSwarm:
+        self.bootstrap = self.swarm.start()
+        self.swarm.wait_ready(timeout=300)
+        return self
+
+    def client(self, **kwargs) -> SwarmClient:
+        entry = EntryModel.load(self.model, "float32", "cpu")
+        client = SwarmClient(entry, [self.bootstrap], interval=1.0, listen=[f"/ip4/127.0.0.1/tcp/{self.real[-1]}"],
+                             announce=[f"/ip4/127.0.0.1/tcp/{self.proxy[-1]}"], **kwargs)
+        self.settle(client)
+        return client
+
+    @staticmethod
+    def settle(client: SwarmClient, tries: int = 15) -> None:
+        """Warm every channel, and wait out the re-plan that follows the first link probes."""
+        last = None
+        for _ in range(tries):
+            out = client.generate([1, 2, 3], 4, SamplingParams())
+            if out.recoveries == 0 and out.route == last:
+                return
+            last = out.route
+            time.sleep(2)
+
+    def set_links(self, delays: dict[str, float], rate_bps: float | None = None) -> None:
+        self.emu.set_links(delays, rate_bps)
+
+    def stop(self) -> None:
+        self.swarm.stop()
+        self.emu.stop()
