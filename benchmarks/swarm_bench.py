@@ -149,18 +149,19 @@ def batch_run(client, prompts: list[list[int]], new_tokens: int) -> tuple[float,
 
 
 def envs(args) -> list[dict]:
+    """Each environment on a fresh swarm, so the planner plans for its links before measuring."""
     model = wide_model()
+    prompts = [[(31 * i + 7 * j) % 500 + 1 for j in range(BATCH_PROMPT)] for i in range(BATCH)]
+    long_prompt = [(7 * i) % 500 + 1 for i in range(LONG_PROMPT)]
     rows = []
-    emulated = EmulatedSwarm(model, 3)
-    try:
-        emulated.start()
-        client = emulated.client()
-        prompts = [[(31 * i + 7 * j) % 500 + 1 for j in range(BATCH_PROMPT)] for i in range(BATCH)]
-        long_prompt = [(7 * i) % 500 + 1 for i in range(LONG_PROMPT)]
-        for env, (rate, delay) in ENVS.items():
-            if args.env and env not in args.env:
-                continue
-            emulated.set_links(every_link(emulated.names, delay), rate)
+    for env, (rate, delay) in ENVS.items():
+        if args.env and env not in args.env:
+            continue
+        emulated = EmulatedSwarm(model, 3)
+        emulated.set_links(every_link(emulated.names, delay), rate)
+        try:
+            emulated.start()
+            client = emulated.client()
             for config, (mode, compress, micro) in CONFIGS.items():
                 client.mode, client.compress, client.micro_batches = mode, compress, micro
                 EmulatedSwarm.settle(client, tries=2)  # open channels for this mode
@@ -172,34 +173,37 @@ def envs(args) -> list[dict]:
                        "wire_bytes": wire, "raw_bytes": raw}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
-    finally:
-        emulated.stop()
+            client.close()
+        finally:
+            emulated.stop()
     return rows
 
 
 def ring(args) -> list[dict]:
-    """Single-stream decode over rings of growing latency against 1 / (C + T_ring), C measured at 0 ms."""
-    rows = []
-    emulated = EmulatedSwarm(wide_model(), 3)
-    try:
-        emulated.start()
-        client = emulated.client()
-        prompt = list(range(1, 17))
-        compute = None
-        for ring_ms in RING_MS:
-            # the ring has n + 1 links (entry -> s0 -> ... -> entry): share its one-way latency evenly
-            emulated.set_links(every_link(emulated.names, ring_ms / 1000 / (emulated.n + 1)), None)
-            EmulatedSwarm.settle(client, tries=1)
+    """Single-stream decode over rings of growing latency against 1 / (C + T_ring), C measured at 0 ms.
+
+    Each ring gets a fresh swarm (the planner sees its links), its one-way latency split evenly over
+    the n + 1 links entry -> s0 -> ... -> entry.
+    """
+    rows, compute = [], None
+    prompt = list(range(1, 17))
+    for ring_ms in RING_MS:
+        emulated = EmulatedSwarm(wide_model(), 3)
+        emulated.set_links(every_link(emulated.names, ring_ms / 1000 / (emulated.n + 1)), None)
+        try:
+            emulated.start()
+            client = emulated.client()
             rate = statistics.median(decode_rate(client.generate(prompt, SINGLE_NEW, SamplingParams()).generation)
                                      for _ in range(args.repeat))
-            if compute is None:
-                compute = 1 / rate
-            row = {"ring_ms": ring_ms, "decode_tokens_per_s": round(rate, 3),
-                   "analytical_tokens_per_s": round(1 / (compute + ring_ms / 1000), 3)}
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            rows.append(row)
-    finally:
-        emulated.stop()
+            client.close()
+        finally:
+            emulated.stop()
+        if compute is None:
+            compute = 1 / rate
+        row = {"ring_ms": ring_ms, "decode_tokens_per_s": round(rate, 3),
+               "analytical_tokens_per_s": round(1 / (compute + ring_ms / 1000), 3)}
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
     return rows
 
 

@@ -132,3 +132,29 @@ def test_sessions_expire_when_idle_and_need_memory(mesh, tiny_llama):
     with pytest.raises(StageFailed, match="unknown session"):
         pipe.forward(session, torch.tensor([4]), 3)
     pipe.open(60)
+
+
+def test_concurrent_opens_share_the_memory_budget_exactly(mesh, tiny_llama):
+    """Sixteen entries' sessions opened at once: exactly the budget's worth succeed, the rest are refused."""
+    (stage_node,) = mesh(1, members=False)
+    runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
+    StageServer(stage_node, runtime, kv_budget_bytes=runtime.kv_bytes(50) * 5).start()
+    (entry_node,) = mesh(1, members=False, bootstrap=[])
+    entry_node.connect(stage_node.addrs[0])
+    pipe = RemotePipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"), [Hop(stage_node.peer_id, 0, 8)])
+    outcomes: list[str] = []
+
+    def open_one():
+        try:
+            pipe.open(50)
+            outcomes.append("opened")
+        except StageFailed as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=open_one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("opened") == 5
+    assert all("no memory" in o for o in outcomes if o != "opened"), outcomes

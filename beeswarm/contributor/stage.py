@@ -51,6 +51,7 @@ class _Session:
     next: str | None  # None: return results to the entry
     last_used: float
     compress: bool = True  # False: raw frames (the entry asked for no compression, for comparisons)
+    kv_bytes: int = 0  # the KV cache allocated for it
 
 
 @dataclass
@@ -146,26 +147,25 @@ class StageServer:
                 raise wire.ProtocolError("field 'next' of 'open' must be a peer id or null")
             layers = tuple(msg["layers"])
             key = f"{peer}/{msg['session']}"
+            # One lock over check, allocation and insert: concurrent opens must not both pass the budget.
             with self._lock:
                 runtime = self.runtimes.get(layers)
                 if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
                     return wire.error(f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})")
-            if runtime is None:
-                return wire.error(f"this stage serves {sorted(self.runtimes)}, not layers {list(layers)}")
-            if self.kv_budget_bytes is not None:
-                used = sum(s.runtime.kv_bytes(s.runtime.sessions[s.key].max_length) for s in self.sessions.values()
-                           if s.key in s.runtime.sessions)
+                if runtime is None:
+                    return wire.error(f"this stage serves {sorted(self.runtimes)}, not layers {list(layers)}")
                 need = runtime.kv_bytes(msg["max_length"])
-                if used + need > self.kv_budget_bytes:
-                    return wire.error(f"no memory for a session of {msg['max_length']} tokens: it needs {need} bytes "
-                                      f"of KV cache, {max(0, self.kv_budget_bytes - used)} are free")
-            try:
-                runtime.open(key, msg["max_length"])
-            except SessionError as e:
-                return wire.error(str(e))
-            with self._lock:
+                if self.kv_budget_bytes is not None:
+                    used = sum(s.kv_bytes for s in self.sessions.values())
+                    if used + need > self.kv_budget_bytes:
+                        return wire.error(f"no memory for a session of {msg['max_length']} tokens: it needs {need} "
+                                          f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free")
+                try:
+                    runtime.open(key, msg["max_length"])
+                except SessionError as e:
+                    return wire.error(str(e))
                 self.sessions[key] = _Session(key, runtime, peer, msg["session"], msg["prev"], nxt, time.monotonic(),
-                                              msg.get("compress", True))
+                                              msg.get("compress", True), need)
             return wire.message("opened", layers=list(layers))
         wire.expect(msg, ("close", "keep"), session=str)
         key = f"{peer}/{msg['session']}"
