@@ -80,8 +80,8 @@ def cmd_demo(args) -> int:
     params, entry = _chat_common(args)
     if args.prompt is not None:
         _encode_prompt(entry, args)  # fail on a bad prompt before starting anything
-    elif not sys.stdin.isatty():
-        raise UserError("give --prompt TEXT (reading prompts line by line needs a terminal)")
+    elif not _interactive():
+        raise UserError("give --prompt TEXT (the chat app needs a terminal)")
     stages = min(3, entry.config.num_hidden_layers)
     swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device)
     torch.set_num_threads(threads_per_process(stages + 1))  # the entry shares the cores with the stages
@@ -96,13 +96,7 @@ def cmd_demo(args) -> int:
                              tuner=tuner)
         if args.prompt is not None:
             return _run_chat(client, entry, args, params)
-        print("beeswarm demo: one prompt per line; Ctrl-D leaves.", file=sys.stderr)
-        for line in sys.stdin:
-            if line.strip():
-                args.prompt = line.rstrip("\n")
-                print(args.prompt, end="", flush=True)
-                _run_chat(client, entry, args, params)
-        return 0
+        return _chat_app(client, entry, args, params, side_panel=True)
     except LocalSwarmError as e:
         raise UserError(str(e)) from None
     finally:
@@ -275,8 +269,8 @@ def cmd_chat(args) -> int:
     from beeswarm.client.descriptor import DescriptorError, resolve_join
     from beeswarm.client.swarm import SwarmClient
 
-    if args.prompt is None:
-        raise UserError("give --prompt TEXT (the interactive chat arrives with the Textual app)")
+    if args.prompt is None and not _interactive():
+        raise UserError("give --prompt TEXT (the chat app needs a terminal)")
     try:
         bootstrap, descriptor = resolve_join(args.join)
     except DescriptorError as e:
@@ -291,9 +285,29 @@ def cmd_chat(args) -> int:
                          mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches,
                          draft=draft, tuner=tuner)
     try:
+        if args.prompt is None:
+            return _chat_app(client, entry, args, params)
         return _run_chat(client, entry, args, params)
     finally:
         client.close()
+
+
+def _interactive() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _chat_app(client, entry, args, params, side_panel: bool = False) -> int:
+    """The Textual chat; returns when the user leaves (the caller closes the client and any swarm)."""
+    from transformers import AutoTokenizer
+
+    from beeswarm.client.chat import ChatSession
+    from beeswarm.tui.chat_app import ChatApp
+
+    session = ChatSession(client, AutoTokenizer.from_pretrained(str(entry.folder)), params, args.max_new_tokens)
+    app = ChatApp(session, swarm_rows=session.swarm_rows if side_panel else None,
+                  ring_ms=lambda: session.ring_ms(app.last_reply.route if app.last_reply else []))
+    app.run()
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -366,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="generate text with the whole model on this machine")
     demo.add_argument("--model", default="tinycode", help="built-in name, checkpoint folder or hub id (org/name)")
-    demo.add_argument("--prompt", default=None, help="generate once for TEXT (default: read prompts line by line)")
+    demo.add_argument("--prompt", default=None, help="generate once for TEXT (default: the chat app)")
     _add_sampling(demo)
     _add_spec(demo)
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
@@ -385,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="generate text through a swarm")
     chat.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL", help="the swarm to use")
     chat.add_argument("--model", default=None, help="must match the swarm's model (default: the swarm's)")
-    chat.add_argument("--prompt", default=None)
+    chat.add_argument("--prompt", default=None, help="generate once for TEXT (default: the chat app)")
     _add_sampling(chat)
     _add_spec(chat)
     chat.add_argument("--client-hops", action="store_true",

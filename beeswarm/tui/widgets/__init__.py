@@ -1,0 +1,1 @@
+"""One widget per file; they render what the apps hand them."""

@@ -1,0 +1,124 @@
+"""The Textual chat app driven by Textual's pilot, against a real local swarm of a tiny model."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from beeswarm.client.chat import ChatSession
+from beeswarm.client.sampling import SamplingParams
+from beeswarm.client.swarm import SwarmClient
+from beeswarm.contributor.local import LocalSwarm
+from beeswarm.shard import EntryModel
+from beeswarm.shard.tiny import write_tiny_checkpoint
+from beeswarm.spec.draft import DraftModel
+from beeswarm.tui.chat_app import ChatApp
+from beeswarm.tui.widgets.status_bar import StatusBar
+from beeswarm.tui.widgets.swarm_panel import SwarmPanel
+from beeswarm.tui.widgets.transcript import Transcript
+from helpers import LOCAL
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(scope="module")
+def swarm_client(tiny_llama, tmp_path_factory):
+    swarm = LocalSwarm(2, str(tiny_llama), heartbeat=1.0)
+    client = None
+    try:
+        bootstrap = swarm.start()
+        swarm.wait_ready()
+        entry = EntryModel(tiny_llama, "float32", "cpu")
+        draft_folder = write_tiny_checkpoint(tmp_path_factory.mktemp("draft"), num_layers=1, seed=5)
+        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=LOCAL,
+                             draft=DraftModel(str(draft_folder), entry.config.vocab_size))
+        client.route()
+        yield client
+    finally:
+        if client is not None:
+            client.close()
+        swarm.stop()
+
+
+def session_of(client, max_new_tokens: int) -> ChatSession:
+    client.speculate = True
+    tokenizer = AutoTokenizer.from_pretrained(str(client.entry.folder))
+    return ChatSession(client, tokenizer, SamplingParams(), max_new_tokens)
+
+
+async def until(pilot, cond, timeout: float = 60.0, what: str = "the app") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def status(app) -> str:
+    return str(app.query_one(StatusBar).render())
+
+
+async def say(pilot, text: str) -> None:
+    await pilot.press(*text, "enter")
+
+
+async def test_chat_streams_a_reply_and_spec_off_changes_the_figures(swarm_client):
+    app = ChatApp(session_of(swarm_client, 24))
+    pieces: list[str] = []
+    async with app.run_test(size=(100, 30)) as pilot:
+        transcript = app.query_one(Transcript)
+        original = transcript.append_reply
+        transcript.append_reply = lambda piece: (pieces.append(piece), original(piece))
+        await say(pilot, "def f(x):")
+        await until(pilot, lambda: app.last_reply is not None, what="the first reply")
+        first = app.last_reply
+        assert len(pieces) > 1 and "".join(pieces) == first.text  # streamed, not printed at the end
+        assert "spec on" in status(app) and first.accepted_per_round is not None
+        assert f"{first.tokens_per_s:.1f} tok/s" in status(app)
+
+        await say(pilot, "/spec off")
+        assert "spec off" in status(app) and not swarm_client.speculate
+        await say(pilot, "x = 1")
+        await until(pilot, lambda: app.last_reply is not first, what="the second reply")
+        assert app.last_reply.accepted_per_round is None and "spec off" in status(app)
+
+        await say(pilot, "/route")
+        await say(pilot, "/nonsense")
+        notes = [str(w.render()) for w in transcript.query(".note, .error")]
+        assert any("layers [0," in n for n in notes) and any("unknown command" in n for n in notes)
+
+
+async def test_ctrl_c_stops_a_reply_without_leaving(swarm_client):
+    threads_before = set(threading.enumerate())
+    app = ChatApp(session_of(swarm_client, 400))
+    async with app.run_test(size=(100, 30)) as pilot:
+        transcript = app.query_one(Transcript)
+        await say(pilot, "hello")
+        await until(pilot, lambda: len(transcript.reply_text) >= 3, what="the first tokens")
+        await pilot.press("ctrl+c")
+        await until(pilot, lambda: app.last_reply is not None, what="the stopped reply")
+        assert app.last_reply.stopped and app.last_reply.tokens < 400
+        assert app.is_running and "stopped" in status(app)
+        await pilot.press("ctrl+q")
+    def left_behind() -> list[str]:
+        # asyncio_N: the test's own event loop executor, shut down with the loop after the test
+        return [t.name for t in set(threading.enumerate()) - threads_before if not t.name.startswith("asyncio_")]
+
+    deadline = time.monotonic() + 10
+    while left_behind() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left_behind()  # the app (and its reply worker) left no thread behind
+
+
+async def test_demo_side_panel_lists_the_swarm(swarm_client):
+    session = session_of(swarm_client, 8)
+    app = ChatApp(session, swarm_rows=session.swarm_rows)
+    async with app.run_test(size=(120, 30)) as pilot:
+        panel = app.query_one(SwarmPanel)
+        await until(pilot, lambda: panel.row_count >= 2, what="the swarm's nodes")
+        rows = [[str(cell) for cell in panel.get_row_at(i)] for i in range(panel.row_count)]
+        spans = sorted(tuple(int(x) for x in row[2].strip("[)").split(", ")) for row in rows if row[2] != "-")
+        assert len(spans) == 2 and spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == 8
+        assert all(row[3] == "serving" for row in rows if row[2] != "-")
