@@ -112,15 +112,23 @@ class ChatApp(App):
     def reply(self, text: str) -> None:
         transcript = self.query_one(Transcript)
         try:
-            reply = self.session.send(text, lambda piece: self.call_from_thread(transcript.append_reply, piece))
+            reply = self.session.send(text, lambda piece: self._ui(transcript.append_reply, piece))
         except NoRoute as e:
-            self.call_from_thread(self._failed, f"{e}. Is the swarm up? Check the address you joined.")
+            self._ui(self._failed, f"{e}. Is the swarm up? Check the address you joined.")
         except StageFailed as e:
-            self.call_from_thread(self._failed, f"the swarm kept failing ({e}); try again in a moment.")
+            self._ui(self._failed, f"the swarm kept failing ({e}); try again in a moment.")
         except ValueError as e:
-            self.call_from_thread(self._failed, str(e))
+            self._ui(self._failed, str(e))
         else:
-            self.call_from_thread(self._replied, reply)
+            self._ui(self._replied, reply)
+
+    def _ui(self, fn, *args) -> None:
+        """Run `fn` in the app's loop from the worker; nothing to show once the app has closed."""
+        if self.is_running:
+            try:
+                self.call_from_thread(fn, *args)
+            except RuntimeError:  # closed between the check and the call
+                pass
 
     def _replied(self, reply: Reply) -> None:
         self.last_reply = reply
