@@ -59,6 +59,7 @@ class SwarmClient:
         self.micro_batches, self.compress = micro_batches, compress
         self.draft, self.tuner = draft, tuner or Tuner()
         self.speculate = draft is not None
+        self._draft_busy = threading.Lock()  # one draft, one generation at a time: others run plainly
         me = identity.ephemeral()
         self.node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], announce=announce or [],
                                         bootstrap=bootstrap, secret=secret))
@@ -120,6 +121,17 @@ class SwarmClient:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids=(), on_token: Callable[[int], None] | None = None,
                  route_timeout: float = 60.0) -> SwarmGeneration:
+        """Generate through the swarm, re-routing on failures. Speculates when a draft is set and free
+        (one generation at a time uses the draft; concurrent ones decode a token per pass)."""
+        speculate = self.speculate and self.draft is not None and self._draft_busy.acquire(blocking=False)
+        try:
+            return self._generate(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout, speculate)
+        finally:
+            if speculate:
+                self._draft_busy.release()
+
+    def _generate(self, prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
+                  speculate: bool) -> SwarmGeneration:
         generator = new_generator(params)
         tokens: list[int] = []
         routes: list[list[Hop]] = []
@@ -135,7 +147,6 @@ class SwarmClient:
             if on_token:
                 on_token(token)
 
-        speculate = self.speculate and self.draft is not None
         report = SpecReport() if speculate else None
         limit = self.entry.config.max_position_embeddings
         while True:
