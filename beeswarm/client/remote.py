@@ -141,10 +141,6 @@ class RemotePipeline:
             except StageFailed as e:
                 log.debug("close: %s", e)
 
-    def keep(self, session: str, start: int, indices: list[int]) -> None:
-        for hop in self.route:
-            self._request(hop, wire.message("keep", session=session, start=start, indices=indices))
-
     def _request(self, hop: Hop, msg: dict) -> dict:
         try:
             return self.node.request(hop.peer, SESSION_PROTOCOL, msg, timeout=self.step_timeout_s)

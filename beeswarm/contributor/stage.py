@@ -2,9 +2,9 @@
 
 Protocols:
 - `/beeswarm/session/1` (request/response): open (allocates KV, records the previous and next hop),
-  keep (compact after speculative verification), close.
+  close.
 - `/beeswarm/step/1` (channels): a step carries (session, step id, start, optional tree mask, hidden
-  frame). The stage runs its layers and pushes the result straight to the next stage; the last
+  frame, optional keep: the previous speculative round's accepted path, compacted first). The stage runs its layers and pushes the result straight to the next stage; the last
   stage (or every stage in client-hops mode) sends it to the entry on `/beeswarm/result/1`.
 A stage may hold two spans while it migrates (make-before-break); a session names the span it
 expects at open, so a step can never run on layers the entry did not route it to.
@@ -167,22 +167,15 @@ class StageServer:
                 self.sessions[key] = _Session(key, runtime, peer, msg["session"], msg["prev"], nxt, time.monotonic(),
                                               msg.get("compress", True), need)
             return wire.message("opened", layers=list(layers))
-        wire.expect(msg, ("close", "keep"), session=str)
+        wire.expect(msg, "close", session=str)
         key = f"{peer}/{msg['session']}"
         session = self.sessions.get(key)
         if session is None:
             return wire.error(f"unknown session {msg['session']!r}")
-        if msg["t"] == "close":
-            with self._lock:
-                self.sessions.pop(key, None)
-            session.runtime.close(key)
-            return wire.message("closed")
-        wire.expect(msg, "keep", start=int, indices=list)
-        try:
-            session.runtime.keep(key, msg["start"], [int(i) for i in msg["indices"]])
-        except (SessionError, TypeError, ValueError) as e:
-            return wire.error(str(e))
-        return wire.message("kept")
+        with self._lock:
+            self.sessions.pop(key, None)
+        session.runtime.close(key)
+        return wire.message("closed")
 
     def _expire_idle(self) -> None:
         cutoff = time.monotonic() - self.idle_timeout_s
