@@ -239,14 +239,13 @@ def _run_chat(client, entry, args, params) -> int:
     """Generate once through the swarm and print the stream or the JSON summary."""
     from beeswarm.client.remote import StageFailed
     from beeswarm.client.swarm import NoRoute
-    from beeswarm.client.textstream import TextStream
+    from beeswarm.client.textstream import TextStream, stop_ids
 
     tokenizer, ids = _encode_prompt(entry, args)
     stream = TextStream(tokenizer)
     echo = stream.push if args.json else (lambda t: print(stream.push(t), end="", flush=True))
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     try:
-        out = client.generate(ids, args.max_new_tokens, params, stops, echo)
+        out = client.generate(ids, args.max_new_tokens, params, stop_ids(tokenizer), echo)
     except NoRoute as e:
         raise UserError(f"{e}; is the swarm up? (check --join)") from None
     except StageFailed as e:
@@ -260,7 +259,7 @@ def _run_chat(client, entry, args, params) -> int:
                           "recoveries": out.recoveries, "wire_bytes": out.wire_bytes, "raw_bytes": out.raw_bytes,
                           **(out.spec.as_json() if out.spec else NO_SPEC)}))
     else:
-        print()
+        print(stream.flush())
     return 0
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from beeswarm.client.sampling import SamplingParams
 from beeswarm.client.swarm import SwarmClient, SwarmGeneration
-from beeswarm.client.textstream import TextStream
+from beeswarm.client.textstream import TextStream, stop_ids
 
 
 class Stopped(Exception):
@@ -76,33 +76,30 @@ class ChatSession:
         if len(ids) + self.max_new_tokens > limit:
             raise ValueError(f"the conversation ({len(ids)} tokens) is too long for the model's {limit}-token "
                              f"context: /reset to start over")
-        stream, out, pieces = TextStream(self.tokenizer), [], []
-        stops = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        stream = TextStream(self.tokenizer)
         self._stop.clear()
         self.busy = True
 
         def on_token(token: int) -> None:
-            out.append(token)
             piece = stream.push(token)
             if piece:
-                pieces.append(piece)
                 on_text(piece)
             if self._stop.is_set():
                 raise Stopped
 
         t0, stopped, result = time.perf_counter(), False, None
         try:
-            result = self.client.generate(ids, self.max_new_tokens, self.params, stops, on_token)
+            result = self.client.generate(ids, self.max_new_tokens, self.params, stop_ids(self.tokenizer), on_token)
         except Stopped:
             stopped = True
         finally:
             self.busy = False
-        shown = sum(len(p) for p in pieces)
-        if len(stream.text) > shown:  # what the stream held back for a multi-byte character
-            on_text(stream.text[shown:])
-        self.context = ids + out
+        rest = stream.flush()
+        if rest:
+            on_text(rest)
+        self.context = ids + stream.tokens
         self.turns += [{"role": "user", "content": text}, {"role": "assistant", "content": stream.text}]
-        return self._reply(stream.text, out, stopped, result, time.perf_counter() - t0)
+        return self._reply(stream.text, stream.tokens, stopped, result, time.perf_counter() - t0)
 
     def ring_ms(self, route: list[tuple[str, int, int]]) -> float | None:
         """One-way latency around the route (entry -> stages -> entry) from the stages' link probes."""

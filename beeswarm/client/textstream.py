@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+def stop_ids(tokenizer) -> list[int]:
+    """Token ids that end a generation: the tokenizer's end of sequence, when it has one."""
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
 class TextStream:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -14,6 +19,12 @@ class TextStream:
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
             return ""
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta
+
+    def flush(self) -> str:
+        """At the end: the text not yet returned, including a character the generation never finished."""
+        text = self.text
         delta, self.emitted = text[self.emitted:], len(text)
         return delta
 
