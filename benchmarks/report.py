@@ -10,13 +10,20 @@ from pathlib import Path
 HERE = Path(__file__).parent
 RESULTS, PLOTS, DOC = HERE / "results", HERE / "plots", HERE / "BENCHMARKS.md"
 BEGIN, END = "<!-- emulated-links:begin (benchmarks/report.py) -->", "<!-- emulated-links:end -->"
-ENV_LINKS = {"E1": "1 Gbit/s, 2.5 ms", "E2": "500 Mbit/s, 10 ms", "E3": "200 Mbit/s, 20 ms",
-             "E4": "100 Mbit/s, 40 ms", "E5": "20 Mbit/s, 50 ms"}
 
 
 def load(name: str) -> dict | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def link_label(data: dict, env: str) -> str:
+    """"100 Mbit/s, 40 ms" from the environment table saved with the results."""
+    if env not in data.get("links", {}):
+        return ""
+    rate, delay = data["links"][env]
+    bandwidth = f"{rate / 1e9:g} Gbit/s" if rate >= 1e9 else f"{rate / 1e6:g} Mbit/s"
+    return f"{bandwidth}, {delay * 1000:g} ms"
 
 
 def envs_section(data: dict) -> list[str]:
@@ -32,7 +39,7 @@ def envs_section(data: dict) -> list[str]:
             continue
         ratio = s["batch_tokens_per_s"] / b["batch_tokens_per_s"]
         packed = s["wire_bytes"] / s["raw_bytes"] if s["raw_bytes"] else 1.0
-        lines.append(f"| {env} | {ENV_LINKS.get(env, '')} | {b['batch_tokens_per_s']:.2f} | {s['batch_tokens_per_s']:.2f} | "
+        lines.append(f"| {env} | {link_label(data, env)} | {b['batch_tokens_per_s']:.2f} | {s['batch_tokens_per_s']:.2f} | "
                      f"{ratio:.2f}x | {b['decode_tokens_per_s']:.2f} | {s['decode_tokens_per_s']:.2f} | "
                      f"{b['ttft_s']:.2f} s | {s['ttft_s']:.2f} s | {packed:.3f} |")
     lines += ["", "![batch throughput per environment](plots/throughput.png)", ""]
@@ -65,7 +72,7 @@ def plot_envs(data: dict) -> None:
     ax.bar([i + 0.2 for i in x], ours, 0.4, label="beeswarm (push, codec, planned M)")
     for i, (b, s) in enumerate(zip(base, ours)):
         ax.annotate(f"{s / b:.2f}x", (i + 0.2, s), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), [f"{e}\n{ENV_LINKS.get(e, '')}" for e in envs], fontsize=8)
+    ax.set_xticks(list(x), [f"{e}\n{link_label(data, e)}" for e in envs], fontsize=8)
     ax.set_ylabel("batch tokens/s (8 sequences)")
     ax.legend(fontsize=8)
     fig.tight_layout()
