@@ -130,7 +130,7 @@ class Channel:
         self._mark_closed("closed locally")
         try:
             self.node._run(quiet_reset, self._stream)
-        except (NodeError, BaseExceptionGroup):  # the node is stopping: its loop cancels the reset
+        except NodeError:
             pass
 
 

@@ -228,6 +228,10 @@ class Node:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
             raise NodeError("node has stopped") from None
+        except BaseExceptionGroup as e:
+            if e.split(trio.Cancelled)[1] is None:  # nothing but cancellation: the node is stopping
+                raise NodeError("node is stopping") from None
+            raise
 
     def _run_sync(self, fn: Callable, *args):
         if self._token is None:
