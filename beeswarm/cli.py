@@ -82,6 +82,7 @@ def cmd_demo(args) -> int:
         _encode_prompt(entry, args)  # fail on a bad prompt before starting anything
     elif not _interactive():
         raise UserError("give --prompt TEXT (the chat app needs a terminal)")
+    draft, tuner = _speculation(args, entry)  # a bad flag fails before any process starts
     stages = min(3, entry.config.num_hidden_layers)
     swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device)
     torch.set_num_threads(threads_per_process(stages + 1))  # the entry shares the cores with the stages
@@ -91,7 +92,6 @@ def cmd_demo(args) -> int:
               f"(logs in {swarm.state_dir})...", file=sys.stderr, flush=True)
         bootstrap = swarm.start()
         swarm.wait_ready()
-        draft, tuner = _speculation(args, entry)
         client = SwarmClient(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"], draft=draft,
                              tuner=tuner)
         if args.prompt is not None:
