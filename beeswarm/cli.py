@@ -172,11 +172,39 @@ def cmd_contribute(args) -> int:
                                  announce=args.announce, relays=args.relay, device=args.device, dtype=args.dtype,
                                  max_memory=args.max_memory, secret=_secret(args.swarm_secret_env),
                                  interval=args.heartbeat)
-    contributor = Contributor(identity.load_or_create(), options,
-                              say=lambda line: print(line, flush=True))
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: contributor.stop())
+    dashboard = not args.headless and _interactive()
+    say = logging.getLogger("beeswarm").info if dashboard else lambda line: print(line, flush=True)
+    contributor = Contributor(identity.load_or_create(), options, say=say)
+    signal.signal(signal.SIGTERM, lambda *_: contributor.stop())  # leave gracefully, as Ctrl-C or `q` does
+    if dashboard:
+        return _dashboard(contributor)
+    signal.signal(signal.SIGINT, lambda *_: contributor.stop())
     contributor.run()
+    return 0
+
+
+def _dashboard(contributor) -> int:
+    """The Textual dashboard; the log goes to its panel instead of stderr while it runs."""
+    from beeswarm.shard.errors import ShardError
+    from beeswarm.tui.dashboard_app import DashboardApp
+
+    root = logging.getLogger()
+    streams = [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
+    level = root.level
+    for h in streams:
+        root.removeHandler(h)
+    root.setLevel(min(level, logging.INFO))
+    try:
+        app = DashboardApp(contributor)
+        app.run()
+    finally:
+        root.setLevel(level)
+        for h in streams:
+            root.addHandler(h)
+    if isinstance(app.failure, ShardError):
+        raise app.failure
+    if app.failure is not None:
+        raise UserError(f"the contributor stopped: {app.failure}")
     return 0
 
 
@@ -418,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     contrib = sub.add_parser("contribute", help="serve layers of the swarm's model with this machine")
-    contrib.add_argument("--headless", action="store_true", help="log to stderr, no dashboard (the only mode today)")
+    contrib.add_argument("--headless", action="store_true",
+                         help="log to stderr, no dashboard (chosen by itself without a terminal)")
     contrib.add_argument("--model", default=None, help="built-in name, folder or hub id (default: the swarm's)")
     contrib.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL",
                          help="a peer's multiaddr or a swarm descriptor URL (none: start a new swarm)")

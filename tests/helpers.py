@@ -64,3 +64,34 @@ def alive(pid: int) -> bool:
             return "State:\tZ" not in f.read()
     except OSError:
         return False
+
+
+def in_terminal(argv: list[str], env: dict, shown: bytes, keys: bytes, timeout: float = 120) -> tuple[int, bytes]:
+    """Run `argv` on a pseudo-terminal of its own; once `shown` is on screen type `keys`; wait for the exit.
+
+    Returns (exit code, everything written to the terminal). Fails if `shown` never appears."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child
+        os.execve(argv[0], argv, {**env, "TERM": "xterm-256color"})
+    seen, deadline, typed = b"", time.monotonic() + timeout, False
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:  # the terminal closed: the program has exited
+                    break
+            if not typed and shown in seen:
+                os.write(fd, keys)
+                typed = True
+        else:
+            os.kill(pid, 9)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    assert typed, f"{shown!r} never shown; the terminal's last output: {seen[-2000:]!r}"
+    return os.waitstatus_to_exitcode(status), seen

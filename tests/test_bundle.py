@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import alive, lines_of, read_until, wait_for
+from helpers import alive, in_terminal, lines_of, read_until, wait_for
 
 BUNDLE = Path(os.environ.get("BEESWARM_BUNDLE", Path(__file__).parent.parent / "dist" / "beeswarm" / "beeswarm"))
 pytestmark = pytest.mark.skipif(not BUNDLE.exists() and not os.environ.get("BEESWARM_REQUIRE_BUNDLE"),
@@ -65,29 +65,14 @@ def test_contribute_and_chat_start_headless_and_quit_cleanly(env, tmp_path):
 
 def test_chat_app_opens_in_a_terminal_and_quits(env):
     """The Textual app itself (its widgets load lazily: --help alone would not catch a missing one)."""
-    import pty
-    import select
-
     from beeswarm.p2p import identity
 
     nowhere = f"/ip4/127.0.0.1/tcp/9/p2p/{identity.ephemeral().peer_id}"  # the app opens before any route
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the bundle on a terminal of its own
-        os.execve(str(BUNDLE), [str(BUNDLE), "chat", "--join", nowhere, "--no-spec"], {**env, "TERM": "xterm-256color"})
-    seen, deadline, quit_sent = b"", time.monotonic() + 120, False
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    seen += os.read(fd, 65536)
-                except OSError:  # the terminal closed: the app has exited
-                    break
-            if not quit_sent and b"Say something" in seen:
-                os.write(fd, b"\x11")  # Ctrl-Q
-                quit_sent = True
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(fd)
-    assert quit_sent, seen[-2000:]
-    assert os.waitstatus_to_exitcode(status) == 0
+    code, _ = in_terminal([str(BUNDLE), "chat", "--join", nowhere, "--no-spec"], env, b"Say something", b"\x11")
+    assert code == 0  # Ctrl-Q
+
+
+def test_contribute_dashboard_opens_in_a_terminal_and_leaves(env):
+    code, screen = in_terminal([str(BUNDLE), "contribute", "--listen", "/ip4/127.0.0.1/tcp/0"], env, b"Re-benchmark",
+                               b"q", timeout=180)
+    assert code == 0 and b"start-up" in screen

@@ -73,7 +73,7 @@ def test_concurrent_sessions_and_compression_give_identical_tokens(chain, tiny_l
     for i, prompt in enumerate(prompts):
         assert results.get(i) == reference_greedy(tiny_llama, prompt, 10), results.get(i)
     assert slow_link.wire_bytes < slow_link.raw_bytes  # compression was on
-    assert sum(s.steps_done for s in servers) >= 3 * 8 * 10
+    assert sum(s.traffic.steps for s in servers) >= 3 * 8 * 10
 
 
 def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_llama):

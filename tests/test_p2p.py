@@ -150,7 +150,9 @@ def test_probe_measures_rtt_and_throughput(swarm):
     Prober(a)
     prober = Prober(b)
     b.connect(a.addrs[0])
-    probe = prober.probe(a.peer_id, bulk_bytes=1 << 20)
+    parts: list[int] = []
+    probe = prober.probe(a.peer_id, bulk_bytes=1 << 20, on_part=parts.append)
+    assert parts == [1, 2, 3]  # pings, upload, download: a progress bar's steps
     assert 0 < probe.rtt_ms < 200
     assert probe.up_mbps > 10 and probe.down_mbps > 10
     assert prober.probe(a.peer_id) is probe  # cached

@@ -206,17 +206,27 @@ def test_hub_id_fetches_only_the_files_the_span_needs(tiny_llama, tmp_path, monk
     snapshot.mkdir()
     asked = []
 
-    def fake_download(repo_id, filename, revision=None, **_):
+    def fake_download(repo_id, filename, revision=None, tqdm_class=None, **_):
         assert repo_id == "org/tiny"
         asked.append(filename)
         source = tiny_llama / filename
         if not source.exists():
             raise EntryNotFoundError(f"{filename} not found")
+        size = source.stat().st_size
+        bar = tqdm_class(total=size, unit="B", unit_scale=True, desc=filename)  # as the hub's downloader does
+        bar.update(size // 2)
+        bar.update(size - size // 2)
+        bar.close()
         shutil.copy(source, snapshot / filename)
         return str(snapshot / filename)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    runtime = SpanRuntime.load("org/tiny", Span(2, 4), dtype="float32", device="cpu")
+    downloaded, built = {}, []
+    runtime = SpanRuntime.load("org/tiny", Span(2, 4), dtype="float32", device="cpu",
+                               on_bytes=lambda file, done, total: downloaded.__setitem__(file, (done, total)),
+                               on_layer=lambda done, total: built.append((done, total)))
+    assert all(downloaded[f] == ((tiny_llama / f).stat().st_size,) * 2 for f in asked if (tiny_llama / f).exists())
+    assert built == [(1, 2), (2, 2)]
     weight_map = json.loads((tiny_llama / checkpoint.INDEX).read_text())["weight_map"]
     needed = {f for name, f in weight_map.items() if name.startswith(("model.layers.2.", "model.layers.3."))}
     shards = {f for f in asked if f.endswith(".safetensors")}

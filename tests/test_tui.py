@@ -20,9 +20,6 @@ from beeswarm.tui.widgets.swarm_panel import SwarmPanel
 from beeswarm.tui.widgets.transcript import Transcript
 from helpers import LOCAL
 
-pytestmark = pytest.mark.asyncio
-
-
 @pytest.fixture(scope="module")
 def swarm_client(tiny_llama, tmp_path_factory):
     swarm = LocalSwarm(2, str(tiny_llama), heartbeat=1.0)
@@ -122,3 +119,8 @@ async def test_demo_side_panel_lists_the_swarm(swarm_client):
         spans = sorted(tuple(int(x) for x in row[2].strip("[)").split(", ")) for row in rows if row[2] != "-")
         assert len(spans) == 2 and spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == 8
         assert all(row[3] == "serving" for row in rows if row[2] != "-")
+
+
+def test_chat_screen_snapshot(swarm_client, snap_compare):
+    """The chat screen after /help, before any reply (so every figure on it is fixed)."""
+    assert snap_compare(ChatApp(session_of(swarm_client, 24)), press=[*"/help", "enter"], terminal_size=(100, 30))

@@ -4,6 +4,7 @@ Composition only: p2p (node, membership, probes), coordinator (election, plans),
 span runtime) and the stage server. The span comes from the coordinator's plan: when the plan's
 target gives this node a new span, it is loaded in the background while the old one keeps serving
 (make-before-break), then announced in the heartbeat so the coordinator can make it active.
+A paused node keeps its membership but leaves the plans; `status()` is what the dashboard shows.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm.contributor.stage import StageServer
+from beeswarm.contributor.status import (ContributorStatus, PeerRow, Progress, RateMeter, ServingFigures,
+                                         ShardFigures)
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.service import CoordinatorService, PlanState
 from beeswarm.p2p.identity import Identity
@@ -25,6 +28,7 @@ from beeswarm.shard.span import Span, SpanRuntime
 
 log = logging.getLogger(__name__)
 LEAVE_GRACE_S = 5.0
+TICK_S = 1.0  # how often the served tokens/s is measured and put in the heartbeat
 
 
 @dataclass
@@ -43,29 +47,43 @@ class ContributorOptions:
 
 
 class Contributor:
+    """`run()` serves until `stop()`; `status()` (with each start-up phase's progress), `pause()`,
+    `resume()` and `rebench()` may be called from any thread meanwhile (the dashboard does)."""
+
     def __init__(self, identity: Identity, options: ContributorOptions, say: Callable[[str], None] = print):
         self.identity, self.options, self.say = identity, options, say
         self.stopping = threading.Event()
+        self.stopped = threading.Event()
         self.server: StageServer | None = None
         self.span: tuple[int, int] | None = None
+        self.offload_fraction = 0.0
+        self.paused = False
+        self.ready = False  # node, membership, coordinator and prober are up
         self._loading: tuple[int, int] | None = None
         self._lock = threading.Lock()
+        self._progress: dict[str, Progress] = {}
+        self._rate = RateMeter()
+        self._tokens_per_s = 0.0
+        self._benching = threading.Lock()
 
     def run(self) -> None:
         """Serve until `stop()` (or a signal handler calling it); then leave gracefully."""
+        try:
+            self._serve()
+        finally:
+            self.stopped.set()
+
+    def _serve(self) -> None:
         o = self.options
-        figures = benchmark.run(o.model, o.device, o.dtype, progress=lambda line: log.info("%s", line))
-        memory = min(figures.mem_bytes, o.max_memory) if o.max_memory else figures.mem_bytes
-        self.memory, self.layer_bytes = memory, figures.layer_bytes
+        figures = self._benchmark(refresh=False)
+        if self.stopping.is_set():
+            return
         shape = ModelShape(figures.num_layers, figures.hidden_size, figures.layer_bytes,
                            figures.kv_bytes_per_token_layer, act_bytes=2)
         self.node = Node(self.identity, NodeConfig(listen=o.listen, announce=o.announce, bootstrap=o.join,
                                                    secret=o.secret, relays=o.relays))
-        info = NodeInfo(peer=self.identity.peer_id, role="contributor", device=figures.device, memory_bytes=memory,
-                        state="idle", bench={"layer_ms_base": figures.layer_ms_base,
-                                             "layer_ms_per_token": figures.layer_ms_per_token,
-                                             "host_mem_bytes": figures.host_mem_bytes,
-                                             "offload_gbps": figures.offload_gbps})
+        info = NodeInfo(peer=self.identity.peer_id, role="contributor", device=figures.device,
+                        memory_bytes=self.memory, state="idle", bench=self._bench_info(figures))
         self.members = Membership(self.node, info, interval=o.interval)
         self.coordinator = CoordinatorService(self.node, self.members, shape,
                                               Workload(context_tokens=o.context_tokens), interval=o.interval)
@@ -74,20 +92,134 @@ class Contributor:
         self.coordinator.start()
         self.node.start()
         self.prober = Prober(self.node)
-        self.prober.report_links(self.members, every_s=120, bulk_bytes=1 << 20, stop=self.stopping)
+        self.prober.report_links(self.members, every_s=120, bulk_bytes=1 << 20, stop=self.stopping,
+                                 on_progress=self._probe_progress)
+        self.ready = True
         self.say(f"peer {self.node.peer_id}")
         for addr in self.node.addrs:
             self.say(f"addr {addr}")
-        self.stopping.wait()
+        while not self.stopping.wait(TICK_S):
+            self._tick()
         self._leave()
+
+    def _benchmark(self, refresh: bool) -> benchmark.BenchResult:
+        o = self.options
+        self._report("bench", "device benchmark")
+        try:
+            figures = benchmark.run(o.model, o.device, o.dtype, refresh=refresh,
+                                    progress=lambda line: log.info("%s", line),
+                                    on_step=lambda done, total: self._report("bench", "device benchmark",
+                                                                             done, total))
+        except Exception as e:
+            self._report("bench", "device benchmark", error=str(e))
+            raise
+        self.memory = min(figures.mem_bytes, o.max_memory) if o.max_memory else figures.mem_bytes
+        self.layer_bytes = figures.layer_bytes
+        return figures
+
+    @staticmethod
+    def _bench_info(figures: benchmark.BenchResult) -> dict[str, float]:
+        return {"layer_ms_base": figures.layer_ms_base, "layer_ms_per_token": figures.layer_ms_per_token,
+                "host_mem_bytes": figures.host_mem_bytes, "offload_gbps": figures.offload_gbps}
+
+    # progress -------------------------------------------------------------------------------------
+    def _report(self, key: str, label: str, done: float = 0.0, total: float | None = None, unit: str = "",
+                error: str | None = None) -> None:
+        with self._lock:
+            old = self._progress.get(key)
+            restart = old is None or old.finished or old.label != label
+            self._progress[key] = Progress(key, label, done, total, unit, error=error,
+                                           **({} if restart else {"started": old.started}))
+
+    def _probe_progress(self, peer: str, done: int, total: int, error: str | None) -> None:
+        self._report(f"probe {peer}", f"link probe {peer[-8:]}", done, total, error=error)
+
+    def _download_progress(self, file: str, done: int, total: int | None) -> None:
+        self._report(f"download {file}", f"download {file}", done, total, unit="B")
 
     def _link_rate(self, peer: str) -> float | None:
         probe = self.prober.cached(peer)
         return probe.up_mbps * 1e6 / 8 if probe and probe.up_mbps > 0 else None
 
+    # commands (any thread) ------------------------------------------------------------------------
     def stop(self) -> None:
         self.stopping.set()
 
+    def pause(self) -> None:
+        """Stop taking part in plans: the coordinator re-plans around this node; in-flight work finishes."""
+        self._set_paused(True)
+
+    def resume(self) -> None:
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        if not self.ready or self.stopping.is_set():
+            return
+        with self._lock:
+            self.paused = paused
+            state = "paused" if paused else ("serving" if self.span else "idle")
+        self.members.update(state=state)
+        self.coordinator.mark_dirty()
+        self.say(f"{'paused' if paused else 'resumed'} serving")
+
+    def rebench(self) -> bool:
+        """Measure the device again in the background and publish the new figures (False: one is running)."""
+        if not self.ready or not self._benching.acquire(blocking=False):
+            return False
+
+        def run() -> None:
+            try:
+                figures = self._benchmark(refresh=True)
+                self.members.update(bench=self._bench_info(figures), memory_bytes=self.memory)
+                self.coordinator.mark_dirty()
+                self.say(f"re-benchmarked: {figures.layer_ms_base:.3f} ms per layer")
+            except Exception:  # noqa: BLE001 - shown in the progress bar and the log
+                log.exception("benchmark failed")
+            finally:
+                self._benching.release()
+
+        threading.Thread(target=run, name="rebench", daemon=True).start()
+        return True
+
+    # figures ---------------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Measure the tokens/s served and put it in the heartbeat (peers show it in their tables)."""
+        served = self.server.traffic.tokens if self.server is not None else 0
+        self._tokens_per_s = self._rate.add(served)
+        self.members.update(load=round(self._tokens_per_s, 2))
+
+    def status(self) -> ContributorStatus:
+        """A snapshot of this node and the swarm as it sees it (cheap: the dashboard polls it)."""
+        o = self.options
+        with self._lock:
+            progress = tuple(self._progress.values())
+        base = dict(peer=self.identity.peer_id, swarm=NodeConfig().swarm, model=o.model,
+                    private=o.secret is not None, progress=progress)
+        if not self.ready:
+            return ContributorStatus(state="stopped" if self.stopped.is_set() else "starting", **base)
+        me = self.members.info
+        lease = self.coordinator.lease
+        links = self.prober.all()
+        rows = []
+        for info in [me, *sorted(self.members.view().values(), key=lambda i: i.peer)]:
+            link = links.get(info.peer)
+            rows.append(PeerRow(info.peer, info.role, info.layers, info.device, info.load,
+                                link.rtt_ms if link else None, link.up_mbps if link else None, info.state,
+                                me=info is me))
+        server, traffic = self.server, (self.server.traffic if self.server else None)
+        sessions = list(server.sessions.values()) if server else []
+        resident = round(len(server.runtimes.get(self.span).layers) * self.layer_bytes) \
+            if server and self.span in server.runtimes else 0
+        serving = ServingFigures(len(sessions), traffic.steps, traffic.tokens, self._tokens_per_s, traffic.raw_in,
+                                 traffic.wire_in, traffic.raw_out, traffic.wire_out) if traffic else ServingFigures()
+        return ContributorStatus(
+            state="stopped" if self.stopped.is_set() else me.state, coordinator=lease.leader if lease else None,
+            term=lease.term if lease else 0, epoch=self.coordinator.state.epoch, addrs=tuple(self.node.addrs),
+            peers=tuple(rows), serving=serving,
+            shard=ShardFigures(self.span, self.offload_fraction, self.memory,
+                               resident + sum(s.kv_bytes for s in sessions)), **base)
+
+    # leaving ---------------------------------------------------------------------------------------
     def _leave(self) -> None:
         self.members.update(state="leaving")
         self.members.leave()
@@ -106,10 +238,12 @@ class Contributor:
         target = self._my_spans(state.target)
         with self._lock:
             if self.server is not None:  # keep what clients route over (active) and what comes next (target)
-                self.server.keep_only(target | self._my_spans(state.active) | ({self.span} if self.span in
-                                                                                 target else set()))
+                self.server.keep_only(target | self._my_spans(state.active))
+                if self.span is not None and self.span not in self.server.runtimes:
+                    self.span = None  # the plan moved on without it
+                    self.members.update(layers=None, state="paused" if self.paused else "idle")
             mine = next(iter(target), None)
-            if mine is None or mine == self.span or mine == self._loading:
+            if mine is None or mine == self.span or mine == self._loading or self.paused:
                 return
             self._loading = mine
             offload = next(float(s.get("offload_fraction", 0.0)) for p in state.target for s in p["stages"]
@@ -119,14 +253,18 @@ class Contributor:
     def _load(self, span: tuple[int, int], offload_fraction: float = 0.0) -> None:
         self.members.update(state="loading")
         log.info("loading layers [%d, %d) of %s (offload %.0f%%)", *span, self.options.model, 100 * offload_fraction)
+        label = f"loading layers [{span[0]}, {span[1]})"
+        self._report("load", label, 0, span[1] - span[0])
         try:
             runtime = SpanRuntime.load(self.options.model, Span(*span), self.options.dtype, self.options.device,
-                                       offload_fraction)
-        except Exception:  # noqa: BLE001 - report, keep serving the old span
+                                       offload_fraction, on_bytes=self._download_progress,
+                                       on_layer=lambda done, total: self._report("load", label, done, total))
+        except Exception as e:  # noqa: BLE001 - report, keep serving the old span
             log.exception("could not load layers [%d, %d)", *span)
+            self._report("load", label, error=str(e))
             with self._lock:
                 self._loading = None
-            self.members.update(state="serving" if self.span else "idle")
+            self.members.update(state="paused" if self.paused else "serving" if self.span else "idle")
             return
         with self._lock:
             if self.server is None:
@@ -135,6 +273,7 @@ class Contributor:
                                           link_rate=self._link_rate).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
-            self.span, self._loading = span, None
-        self.members.update(layers=span, state="serving")
+            self.span, self._loading, self.offload_fraction = span, None, offload_fraction
+            state = "paused" if self.paused else "serving"
+        self.members.update(layers=span, state=state)
         self.say(f"serving {span[0]} {span[1]}")

@@ -55,6 +55,18 @@ class _Session:
 
 
 @dataclass
+class Traffic:
+    """What a stage computed and moved since it started (written by its compute thread only)."""
+
+    steps: int = 0
+    tokens: int = 0  # positions computed (a speculative round's tree counts each node)
+    raw_in: int = 0  # hidden-state bytes received, decoded
+    wire_in: int = 0  # ... as they crossed the wire
+    raw_out: int = 0
+    wire_out: int = 0
+
+
+@dataclass
 class _Step:
     sender: str
     msg: dict
@@ -90,7 +102,7 @@ class StageServer:
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
-        self.steps_done = 0
+        self.traffic = Traffic()
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._out: dict[tuple[str, str], Channel] = {}  # (peer, protocol) -> channel
         self._codecs: dict[str, codec.LinkCodec] = {}
@@ -239,10 +251,11 @@ class StageServer:
                 outputs = runtime.step([x for _, _, x in steps])
             except SessionError:
                 outputs = [self._step_alone(runtime, item, step) for item, _, step in steps]  # find the bad one
-            for (item, session, _), out in zip(steps, outputs):
+            for (item, session, step), out in zip(steps, outputs):
                 if out is not None:
                     self._forward(item, session, out)
-            self.steps_done += len(steps)
+                    self.traffic.tokens += step.hidden.shape[0]
+            self.traffic.steps += len(steps)
 
     def _step_alone(self, runtime: SpanRuntime, item: _Step, step: StepInput) -> torch.Tensor | None:
         try:
@@ -257,6 +270,8 @@ class StageServer:
         if session is None or session.prev != item.sender:
             raise SessionError(f"unknown session {msg['session']!r} (or not from its previous hop)")
         hidden = tensors.decode(msg["frame"], self.link(item.sender), self.node.config.max_tensor_bytes)
+        self.traffic.wire_in += len(msg["frame"])
+        self.traffic.raw_in += hidden.numel() * hidden.element_size()
         if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise wire.ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
         mask = unpack_mask(msg.get("mask"), hidden.shape[0]) if hidden.dim() == 2 else None
@@ -269,13 +284,15 @@ class StageServer:
     def _forward(self, item: _Step, session: _Session, out: torch.Tensor) -> None:
         msg = item.msg
         layout = "auto" if session.compress else "raw"
+        target = session.entry if session.next is None else session.next
+        frame = tensors.encode(out, self.link(target), layout)
+        self.traffic.wire_out += len(frame)
+        self.traffic.raw_out += out.numel() * out.element_size()
         if session.next is None:
-            target, protocol = session.entry, RESULT_PROTOCOL
-            reply = wire.message("result", session=session.session, step=msg["step"],
-                                 frame=tensors.encode(out, self.link(target), layout))
+            protocol = RESULT_PROTOCOL
+            reply = wire.message("result", session=session.session, step=msg["step"], frame=frame)
         else:
-            target, protocol = session.next, STEP_PROTOCOL
-            reply = {**msg, "frame": tensors.encode(out, self.link(target), layout)}
+            protocol, reply = STEP_PROTOCOL, {**msg, "frame": frame}
         try:
             self._channel(target, protocol).send(wire.pack(reply))
         except NodeError as e:

@@ -122,7 +122,7 @@ class CoordinatorService:
 
     def start(self) -> None:
         self.node.subscribe(self.node.topic(TOPIC), self._on_message)
-        self.members.listeners.append(lambda event, info: self._mark_dirty())
+        self.members.listeners.append(lambda event, info: self.mark_dirty())
         self.node.add_task(self._loop)
 
     @property
@@ -133,7 +133,8 @@ class CoordinatorService:
     def is_leader(self) -> bool:
         return self.election.is_leader
 
-    def _mark_dirty(self) -> None:
+    def mark_dirty(self) -> None:
+        """Re-plan soon (while leading): membership changed, or this node's own figures or state did."""
         self._dirty = True
 
     # messages ---------------------------------------------------------------------------------

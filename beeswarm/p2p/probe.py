@@ -5,6 +5,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from beeswarm.p2p import wire
@@ -15,6 +16,7 @@ log = logging.getLogger(__name__)
 PROTOCOL = "/beeswarm/probe/1"
 DEFAULT_BULK = 4 * 1024 * 1024
 MAX_BULK = 64 * 1024 * 1024
+PROBE_PARTS = 3  # pings, upload, download
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,14 @@ class Prober:
             return dict(self._cache)
 
     def report_links(self, members, every_s: float = 60.0, bulk_bytes: int = DEFAULT_BULK,
-                     stop: threading.Event | None = None) -> threading.Thread:
+                     stop: threading.Event | None = None,
+                     on_progress: Callable[[str, int, int, str | None], None] | None = None) -> threading.Thread:
         """Probe every member in a background thread and publish the figures in this node's heartbeat.
 
         Each pair is measured again after `every_s`; the planner reads them as `rtt_ms`/`up`/`down`.
+        `on_progress(peer, done, total, error)` follows each probe's parts (pings, upload, download).
         """
+        report = on_progress or (lambda peer, done, total, error: None)
         stop = stop or threading.Event()
 
         def loop() -> None:
@@ -92,9 +97,12 @@ class Prober:
                     if stop.is_set() or hit is not None and hit.age_s < every_s:
                         continue
                     try:
-                        self.probe(peer, bulk_bytes=bulk_bytes, refresh=True)
+                        report(peer, 0, PROBE_PARTS, None)
+                        self.probe(peer, bulk_bytes=bulk_bytes, refresh=True,
+                                   on_part=lambda done, p=peer: report(p, done, PROBE_PARTS, None))
                     except Exception as e:  # noqa: BLE001 - a peer that went away, or our node stopping
                         log.debug("probe of %s failed: %s", peer, e)
+                        report(peer, 0, PROBE_PARTS, str(e) or type(e).__name__)
                 links = {p: (round(x.rtt_ms, 3), round(x.up_mbps, 1), round(x.down_mbps, 1))
                          for p, x in self.all().items() if p in members.view()}
                 members.update(links=links)
@@ -104,7 +112,9 @@ class Prober:
         thread.start()
         return thread
 
-    def probe(self, peer: str, bulk_bytes: int = DEFAULT_BULK, pings: int = 7, refresh: bool = False) -> LinkProbe:
+    def probe(self, peer: str, bulk_bytes: int = DEFAULT_BULK, pings: int = 7, refresh: bool = False,
+              on_part: Callable[[int], None] = lambda done: None) -> LinkProbe:
+        """RTT, then upload, then download (`on_part(n)` after each of the PROBE_PARTS parts)."""
         if not refresh and (hit := self.cached(peer)) is not None:
             return hit
         channel = self.node.open_channel(peer, PROTOCOL, limit=MAX_BULK + 1024)
@@ -116,15 +126,18 @@ class Prober:
                 channel.recv(timeout=10)
                 rtts.append((time.perf_counter() - t) * 1e3)
             rtt = statistics.median(rtts)
+            on_part(1)
             t = time.perf_counter()
             channel.send(wire.pack(wire.message("upload", bytes=bulk_bytes)))
             channel.send(bytes(bulk_bytes), timeout=120)
             channel.recv(timeout=120)
             up_s = time.perf_counter() - t
+            on_part(2)
             t = time.perf_counter()
             channel.send(wire.pack(wire.message("download", bytes=bulk_bytes)))
             channel.recv(timeout=120)
             down_s = time.perf_counter() - t
+            on_part(3)
         finally:
             channel.close()
         # The transfer time net of one round trip of handshaking.

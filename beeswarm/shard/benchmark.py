@@ -113,7 +113,9 @@ def _cache_key(config, device: torch.device, dtype: torch.dtype) -> str:
 
 
 def run(model: str = checkpoint.DEFAULT_MODEL, device="auto", dtype="auto", refresh: bool = False,
-        repeat: int = 7, progress: Callable[[str], None] = lambda s: None) -> BenchResult:
+        repeat: int = 7, progress: Callable[[str], None] = lambda s: None,
+        on_step: Callable[[int, int], None] = lambda done, total: None) -> BenchResult:
+    """`progress` gets lines to show; `on_step(done, total)` counts the measurements (for a progress bar)."""
     folder = checkpoint.resolve_config(model)
     config = load_config(folder)
     dev = resolve_device(device)
@@ -123,6 +125,7 @@ def run(model: str = checkpoint.DEFAULT_MODEL, device="auto", dtype="auto", refr
         try:
             cached = BenchResult(**{**json.loads(cache_file.read_text()), "cached": True, "model": model})
             progress(f"using cached figures from {cache_file} (--refresh to measure again)")
+            on_step(1, 1)
             return replace_memory(cached, dev)
         except (ValueError, TypeError):
             log.warning("ignoring unreadable benchmark cache %s", cache_file)
@@ -137,6 +140,7 @@ def run(model: str = checkpoint.DEFAULT_MODEL, device="auto", dtype="auto", refr
         ms = _time_layer(layer, rotary, config, dev, dt, tokens, repeat)
         points.append((tokens, ms))
         progress(f"  [{i + 1}/{len(TOKEN_COUNTS)}] {tokens:>4} tokens: {ms:.3f} ms")
+        on_step(i + 1, len(TOKEN_COUNTS) + 1)
     slope, intercept = statistics.linear_regression([p[0] for p in points], [p[1] for p in points])
     progress("measuring memory" + (" and host-to-device bandwidth" if dev.type == "cuda" else ""))
     result = BenchResult(
@@ -148,7 +152,9 @@ def run(model: str = checkpoint.DEFAULT_MODEL, device="auto", dtype="auto", refr
     del layer
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     cache_file.write_text(json.dumps(asdict(result)))
-    return replace_memory(result, dev)
+    result = replace_memory(result, dev)
+    on_step(len(TOKEN_COUNTS) + 1, len(TOKEN_COUNTS) + 1)
+    return result
 
 
 def replace_memory(result: BenchResult, device: torch.device) -> BenchResult:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ PAIRED_DRAFT = {"tinycode": "tinycode-draft"}
 DEFAULT_MODEL = "tinycode"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+OnBytes = Callable[[str, int, "int | None"], None]  # (file, bytes done, bytes in all or None)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -81,7 +82,8 @@ def _looks_like_hub_id(ref: str) -> bool:
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))
 
 
-def resolve(ref: str, parts: Parts | None = None, revision: str | None = None) -> Path:
+def resolve(ref: str, parts: Parts | None = None, revision: str | None = None,
+            on_bytes: OnBytes | None = None) -> Path:
     """A local folder holding `ref`'s config, tokenizer and the safetensors files `parts` needs.
 
     `ref` is a built-in name (tinycode), a local folder, or a hub id (org/name), in which case only
@@ -99,7 +101,7 @@ def resolve(ref: str, parts: Parts | None = None, revision: str | None = None) -
         return local
     if not _looks_like_hub_id(ref):
         raise ShardError(f"model {ref!r}: not a built-in name ({', '.join(BUILTIN)}), a folder, or a hub id org/name")
-    return _download(ref, parts or Parts(0, 10**9, True, True), revision)
+    return _download(ref, parts or Parts(0, 10**9, True, True), revision, on_bytes)
 
 
 def resolve_config(ref: str, revision: str | None = None) -> Path:
@@ -114,13 +116,39 @@ def resolve_config(ref: str, revision: str | None = None) -> Path:
         raise ShardError(f"could not download config.json of {ref!r}: {e}") from None
 
 
-def _download(repo: str, parts: Parts, revision: str | None) -> Path:
+def progress_bar_class(name: str, on_bytes: OnBytes) -> type:
+    """A tqdm class for `hf_hub_download(tqdm_class=...)` that reports bytes instead of drawing a bar."""
+    from tqdm.auto import tqdm
+
+    class Report(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": False, "file": _Discard()})
+            on_bytes(name, 0, self.total)
+
+        def update(self, n=1):
+            shown = super().update(n)
+            on_bytes(name, int(self.n), self.total)
+            return shown
+
+    return Report
+
+
+class _Discard:
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _download(repo: str, parts: Parts, revision: str | None, on_bytes: OnBytes | None = None) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
     def fetch(name: str, required: bool = True) -> Path | None:
+        bar = progress_bar_class(name, on_bytes) if on_bytes else None
         try:
-            return Path(hf_hub_download(repo, name, revision=revision))
+            return Path(hf_hub_download(repo, name, revision=revision, tqdm_class=bar))
         except EntryNotFoundError:
             if required:
                 raise ShardError(f"hub model {repo!r} has no {name}") from None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,8 +32,9 @@ def _materialize(module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor
     return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def build_layers(folder: Path, config, start: int, end: int, dtype, device) -> nn.ModuleList:
-    """transformers decoder layers [start, end) holding only their own weights."""
+def build_layers(folder: Path, config, start: int, end: int, dtype, device,
+                 on_layer: Callable[[int], None] = lambda done: None) -> nn.ModuleList:
+    """transformers decoder layers [start, end) holding only their own weights; `on_layer(n)` after each."""
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ShardError(f"span [{start}, {end}) is out of range: the model has layers [0, {config.num_hidden_layers})")
     cls = family(config).decoder_layer
@@ -41,8 +43,11 @@ def build_layers(folder: Path, config, start: int, end: int, dtype, device) -> n
     names = [f"model.layers.{i}.{k}" for i, layer in zip(range(start, end), layers) for k in layer.state_dict()]
     tensors = checkpoint.read_tensors(folder, checkpoint.weight_map(folder), names)
     log.info("loaded layers [%d, %d) of %s: %d tensors", start, end, folder, len(tensors))
-    return nn.ModuleList(_materialize(layer, f"model.layers.{i}.", tensors, dtype, device)
-                         for i, layer in zip(range(start, end), layers))
+    built = nn.ModuleList()
+    for i, layer in zip(range(start, end), layers):
+        built.append(_materialize(layer, f"model.layers.{i}.", tensors, dtype, device))
+        on_layer(len(built))
+    return built
 
 
 def build_entry_parts(folder: Path, config, dtype, device) -> tuple[nn.Embedding, nn.Module, nn.Linear]:

@@ -5,6 +5,7 @@ import itertools
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,8 +92,10 @@ def attention_mask(inputs: list[StepInput], kv_length: int, window: int | None, 
 class SpanRuntime:
     """Layers [start, end) of a checkpoint, with per-session KV caches. Thread-safe."""
 
-    def __init__(self, folder: Path, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0):
-        """`offload_fraction` a: the last ceil(a * layers) layers stay in host memory and stream in per pass."""
+    def __init__(self, folder: Path, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0,
+                 on_layer: Callable[[int, int], None] = lambda done, total: None):
+        """`offload_fraction` a: the last ceil(a * layers) layers stay in host memory and stream in per pass;
+        `on_layer(done, total)` after each layer is built."""
         if not 0.0 <= offload_fraction <= 1.0:
             raise ShardError(f"offload_fraction {offload_fraction} is outside [0, 1]")
         self.folder = Path(folder)
@@ -102,10 +105,11 @@ class SpanRuntime:
         self.dtype = resolve_dtype(dtype, self.device)
         offloaded = math.ceil(offload_fraction * len(span))
         resident_end = span.end - offloaded
+        resident = resident_end - span.start
         self.layers = loader.build_layers(self.folder, self.config, span.start, resident_end, self.dtype,
-                                          self.device) if resident_end > span.start else []
-        host = loader.build_layers(self.folder, self.config, resident_end, span.end, self.dtype,
-                                   torch.device("cpu")) if offloaded else []
+                                          self.device, lambda n: on_layer(n, len(span))) if resident else []
+        host = loader.build_layers(self.folder, self.config, resident_end, span.end, self.dtype, torch.device("cpu"),
+                                   lambda n: on_layer(resident + n, len(span))) if offloaded else []
         self.offloaded = OffloadedLayers(list(host), self.device)
         self.rotary = family(self.config).rotary_embedding(self.config).to(self.device)
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
@@ -114,9 +118,12 @@ class SpanRuntime:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, ref: str, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0) -> SpanRuntime:
-        folder = checkpoint.resolve(ref, checkpoint.Parts(span.start, span.end))
-        return cls(folder, span, dtype, device, offload_fraction)
+    def load(cls, ref: str, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0,
+             on_bytes: checkpoint.OnBytes | None = None,
+             on_layer: Callable[[int, int], None] = lambda done, total: None) -> SpanRuntime:
+        """`on_bytes(file, done, total)` while a hub download runs; `on_layer(done, total)` while building."""
+        folder = checkpoint.resolve(ref, checkpoint.Parts(span.start, span.end), on_bytes=on_bytes)
+        return cls(folder, span, dtype, device, offload_fraction, on_layer)
 
     @property
     def hidden_size(self) -> int:

@@ -1,0 +1,102 @@
+"""What a contributor shows about itself: start-up progress and a snapshot of its state, as plain data.
+
+The dashboard renders these; `Contributor.status()` fills them. No networking or torch here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One phase's progress bar: the benchmark, a link probe, a file download, the span's loading."""
+
+    key: str  # "bench", "probe <peer>", "download <file>", "load"
+    label: str
+    done: float = 0.0
+    total: float | None = None  # None: not known yet
+    unit: str = ""  # "B": bytes, shown with a rate
+    started: float = field(default_factory=time.monotonic)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.total is not None and self.done >= self.total)
+
+    @property
+    def rate(self) -> float | None:
+        """Units per second since the phase started."""
+        elapsed = time.monotonic() - self.started
+        return self.done / elapsed if self.done and elapsed > 0 else None
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    peer: str
+    role: str
+    layers: tuple[int, int] | None
+    device: str
+    tokens_per_s: float  # what the peer served lately (from its heartbeat)
+    rtt_ms: float | None  # measured from this node (None: not probed yet)
+    up_mbps: float | None
+    state: str
+    me: bool = False
+
+
+@dataclass(frozen=True)
+class ShardFigures:
+    layers: tuple[int, int] | None
+    offload_fraction: float
+    memory_budget: int  # bytes this node offers
+    memory_used: int  # resident weights + KV caches allocated
+
+
+@dataclass(frozen=True)
+class ServingFigures:
+    sessions: int = 0
+    steps: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0  # over the last few seconds
+    raw_in: int = 0
+    wire_in: int = 0
+    raw_out: int = 0
+    wire_out: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        wire = self.wire_in + self.wire_out
+        return (self.raw_in + self.raw_out) / wire if wire else 1.0
+
+
+@dataclass(frozen=True)
+class ContributorStatus:
+    peer: str
+    swarm: str
+    model: str
+    private: bool
+    state: str  # starting | idle | loading | serving | paused | leaving | stopped
+    coordinator: str | None = None
+    term: int = 0
+    epoch: int = 0
+    addrs: tuple[str, ...] = ()
+    peers: tuple[PeerRow, ...] = ()
+    shard: ShardFigures | None = None
+    serving: ServingFigures = ServingFigures()
+    progress: tuple[Progress, ...] = ()
+
+
+class RateMeter:
+    """Tokens per second over a sliding window of (time, count) samples."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self._samples: list[tuple[float, int]] = []
+
+    def add(self, count: int, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, count))
+        while len(self._samples) > 2 and self._samples[1][0] < now - self.window_s:
+            self._samples.pop(0)
+        (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0

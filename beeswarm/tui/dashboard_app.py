@@ -1,0 +1,130 @@
+"""`beeswarm contribute` on a terminal: start-up progress, the swarm, this node's shard and what it serves.
+
+The app renders `Contributor.status()` twice a second and sends the keys' commands; the contributor
+runs in a worker thread and owns all networking and model work.
+"""
+from __future__ import annotations
+
+import logging
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header, Static
+
+from beeswarm.contributor.process import LEAVE_GRACE_S, Contributor
+from beeswarm.contributor.status import ContributorStatus
+from beeswarm.tui.widgets.help_screen import HelpScreen
+from beeswarm.tui.widgets.identity_panel import IdentityPanel
+from beeswarm.tui.widgets.log_panel import LogPanel, PanelHandler
+from beeswarm.tui.widgets.peers_table import PeersTable
+from beeswarm.tui.widgets.phase_bars import PhaseBars
+from beeswarm.tui.widgets.serving_panel import ServingPanel
+from beeswarm.tui.widgets.shard_panel import ShardPanel
+
+HELP = f"""keys:
+  q   leave the swarm gracefully (in-flight steps get up to {LEAVE_GRACE_S:.0f} s) and quit
+  p   pause serving / resume: the coordinator plans around a paused node
+  b   benchmark the device again and publish the new figures
+  ?   this help
+
+Panels: this node and its swarm; start-up progress; this node's shard; what it serves \
+(tokens/s over the last seconds, bytes raw and on the wire); the peers (RTT and upload measured \
+from this node); the log."""
+
+REFRESH_S = 0.5
+
+
+class DashboardApp(App):
+    CSS_PATH = "dashboard.tcss"
+    TITLE = "beeswarm contribute"
+    BINDINGS = [Binding("q", "leave", "Leave"), Binding("p", "pause", "Pause/resume"),
+                Binding("b", "rebench", "Re-benchmark"), Binding("question_mark", "help", "Help", key_display="?"),
+                Binding("ctrl+c", "leave", "Leave", show=False, priority=True)]
+
+    def __init__(self, contributor: Contributor, start: bool = True):
+        """`start=False`: render `contributor.status()` without running it (for a contributor run elsewhere)."""
+        super().__init__()
+        self.contributor, self.start_backend = contributor, start
+        self.failure: BaseException | None = None
+        self._handler: PanelHandler | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="top"):
+            with Vertical(id="left"):
+                yield IdentityPanel(id="identity")
+                yield PhaseBars(id="phases")
+            with Vertical(id="right"):
+                yield ShardPanel(id="shard")
+                yield ServingPanel(id="serving")
+        yield PeersTable(id="peers")
+        yield LogPanel(id="log", max_lines=2000)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#identity").border_title = "node"
+        self.query_one("#phases").border_title = "start-up"
+        self.query_one("#shard").border_title = "my shard"
+        self.query_one("#serving").border_title = "serving"
+        self.query_one("#peers").border_title = "peers"
+        self.query_one("#log").border_title = "log"
+        self._handler = PanelHandler(self, self.query_one(LogPanel))
+        logging.getLogger().addHandler(self._handler)
+        self.refresh_status(sample=False)
+        self.set_interval(REFRESH_S, self.refresh_status)
+        if self.start_backend:
+            self.serve()
+
+    def refresh_status(self, sample: bool = True) -> None:
+        self.show(self.contributor.status(), sample)
+
+    def show(self, s: ContributorStatus, sample: bool = True) -> None:
+        self.sub_title = f"{s.state}, {s.serving.tokens_per_s:.1f} tok/s"
+        self.query_one(IdentityPanel).show(s)
+        self.query_one(PhaseBars).show(s.progress)
+        self.query_one(ShardPanel).show(s.shard)
+        self.query_one(ServingPanel).show(s.serving, sample)
+        self.query_one(PeersTable).show(s.peers)
+
+    @work(thread=True, exclusive=True, group="contributor")
+    def serve(self) -> None:
+        try:
+            self.contributor.run()
+        except BaseException as e:  # noqa: BLE001 - shown in the app; the command exits non-zero
+            self.failure = e
+            logging.getLogger(__name__).error("the contributor stopped: %s", e)
+        if self.is_running:
+            self.call_from_thread(self.exit)
+
+    def action_leave(self) -> None:
+        if self.contributor.stopping.is_set() or not self.start_backend:
+            self.exit()
+            return
+        self.notify(f"Leaving the swarm (up to {LEAVE_GRACE_S:.0f} s for in-flight steps)...")
+        self.contributor.stop()  # the worker exits the app once the contributor has left
+
+    def action_pause(self) -> None:
+        if not self.contributor.ready:
+            self.notify("Not in the swarm yet.", severity="warning")
+        elif self.contributor.paused:
+            self.contributor.resume()
+            self.notify("Serving again: the coordinator will plan this node back in.")
+        else:
+            self.contributor.pause()
+            self.notify("Paused: the coordinator re-plans around this node.")
+
+    def action_rebench(self) -> None:
+        if self.contributor.rebench():
+            self.notify("Benchmarking the device again...")
+        else:
+            self.notify("Not now: a benchmark is running or the node is still starting.", severity="warning")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(HELP))
+
+    def on_unmount(self) -> None:
+        if self._handler is not None:
+            logging.getLogger().removeHandler(self._handler)
+        self.contributor.stop()

@@ -1,0 +1,154 @@
+"""The contribute dashboard driven by Textual's pilot, its contributor real and joined by real processes."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from beeswarm.client.sampling import SamplingParams
+from beeswarm.client.swarm import SwarmClient
+from beeswarm.contributor.local import budgets
+from beeswarm.contributor.process import Contributor, ContributorOptions
+from beeswarm.p2p.identity import ephemeral
+from beeswarm.shard import EntryModel
+from beeswarm.tui.dashboard_app import DashboardApp
+from beeswarm.tui.widgets.peers_table import PeersTable
+from beeswarm.tui.widgets.phase_bars import PhaseRow
+from beeswarm.tui.widgets.serving_panel import ServingPanel
+from helpers import LOCAL, in_terminal, lines_of, read_until
+
+async def until(pilot, cond, timeout: float = 90.0, what: str = "the app") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.1)
+
+
+def table(app) -> dict[str, list[str]]:
+    """The peers table as the user sees it: short id -> the row's cells."""
+    t = app.query_one(PeersTable)
+    rows = [[str(c) for c in t.get_row_at(i)] for i in range(t.row_count)]
+    return {row[0].removeprefix("* "): row for row in rows}
+
+
+def spawn(tiny_llama, budget: int, join: str, folder) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "BEESWARM_CONFIG_DIR": str(folder), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("BEESWARM_IDENTITY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "contribute", "--headless", "--model", str(tiny_llama),
+                             "--listen", LOCAL[0], "--max-memory", str(budget), "--heartbeat", "1", "--join", join],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    return proc, read_until(lines_of(proc), "peer ", 60)[0].split()[1]
+
+
+def in_plan(contributor: Contributor, peer: str) -> bool:
+    return any(s["node"] == peer for p in contributor.coordinator.state.target for s in p["stages"])
+
+
+async def test_dashboard_follows_serving_pausing_and_a_node_leaving(tiny_llama, tmp_path):
+    half = budgets(str(tiny_llama), 2)[0]
+    before = set(threading.enumerate())
+    contributor = Contributor(ephemeral(), ContributorOptions(model=str(tiny_llama), listen=LOCAL, device="cpu",
+                                                             dtype="float32", max_memory=half, interval=1.0),
+                              say=logging.getLogger("test").info)
+    app = DashboardApp(contributor)
+    children: list[subprocess.Popen] = []
+    try:
+        async with app.run_test(size=(140, 50)) as pilot:
+            await until(pilot, lambda: contributor.ready, what="the node to start")
+            me = contributor.identity.peer_id
+            await until(pilot, lambda: any(r.progress.key == "bench" and r.progress.finished
+                                           for r in app.query(PhaseRow)), what="the benchmark's finished bar")
+            assert me in str(app.query_one("#identity").render())
+
+            # A second node holding half the model: the plan needs both; the table shows both serving.
+            b, peer_b = spawn(tiny_llama, half, contributor.node.addrs[0], tmp_path / "b")
+            children.append(b)
+            await until(pilot, lambda: len(table(app)) == 2 and all(r[-1] == "serving" for r in table(app).values()),
+                        what="both nodes serving")
+            assert table(app)[me[-8:]][2] != "-" and table(app)[peer_b[-8:]][2] != "-"  # layers shown
+            await until(pilot, lambda: any(k.startswith("probe ") and p.finished for k, p in
+                                           ((r.progress.key, r.progress) for r in app.query(PhaseRow))),
+                        what="a finished link probe bar")
+            await until(pilot, lambda: table(app)[peer_b[-8:]][5] != "-", what="the RTT to the other node")
+
+            # Traffic through the swarm shows in the serving figures.
+            client = SwarmClient(EntryModel(tiny_llama, "float32", "cpu"), [contributor.node.addrs[0]], interval=1.0,
+                                 listen=LOCAL)
+            try:
+                client.generate([3, 14, 15, 92], 12, SamplingParams())
+            finally:
+                client.close()
+            await until(pilot, lambda: contributor.status().serving.tokens >= 12, what="served tokens")
+            await pilot.pause(1.2)  # a refresh of the panel
+            figures = str(app.query_one("#serving-figures").render())
+            assert f"tokens {contributor.status().serving.tokens}" in figures and "compression" in figures
+            assert max(app.query_one(ServingPanel).history) > 0  # the sparkline saw tokens/s
+
+            # p: paused; the coordinator plans a third node in instead of this one.
+            c, peer_c = spawn(tiny_llama, half, contributor.node.addrs[0], tmp_path / "c")
+            children.append(c)
+            await until(pilot, lambda: peer_c[-8:] in table(app), what="the third node")
+            await pilot.press("p")
+            await until(pilot, lambda: table(app)[me[-8:]][-1] == "paused", what="the paused state")
+            await until(pilot, lambda: contributor.coordinator.state.target and not in_plan(contributor, me)
+                        and in_plan(contributor, peer_c), what="a plan around the paused node")
+            await until(pilot, lambda: table(app)[me[-8:]][2] == "-", what="the span given up")
+            await pilot.press("p")
+            await until(pilot, lambda: table(app)[me[-8:]][-1] in ("idle", "loading", "serving"), what="resuming")
+
+            # A node leaving disappears from the table.
+            b.terminate()
+            assert b.wait(20) == 0
+            await until(pilot, lambda: peer_b[-8:] not in table(app), what="the departed node's row to go")
+
+            # ? shows help; q leaves the swarm and the app ends by itself once the contributor is gone.
+            await pilot.press("question_mark")
+            assert "leave the swarm" in str(app.screen.query_one("#help").query("Static").first().render())
+            await pilot.press("escape")
+            await pilot.press("q")
+            await until(pilot, lambda: not app.is_running, timeout=20, what="the app to quit")
+        assert contributor.stopped.is_set() and app.failure is None
+        for proc in children:  # their output readers are the test's threads, not the app's
+            proc.terminate()
+            proc.wait(20)
+        # asyncio_N: the test's event loop's executor, which closes with the loop after the test.
+        deadline = time.monotonic() + 15
+        while (left := [t for t in threading.enumerate() if t not in before and t.is_alive()
+                         and not t.name.startswith("asyncio_")]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"threads left behind: {[t.name for t in left]}"
+    finally:
+        contributor.stop()
+        for proc in children:
+            proc.terminate()
+            proc.wait(20)
+
+
+@pytest.fixture
+def cli_env(tmp_path):
+    env = {**os.environ, "BEESWARM_CONFIG_DIR": str(tmp_path / "config"), "PYTHONUNBUFFERED": "1"}
+    env.pop("BEESWARM_IDENTITY", None)
+    return env
+
+
+def test_contribute_opens_the_dashboard_on_a_terminal_and_q_leaves(tiny_llama, cli_env):
+    argv = [sys.executable, "-m", "beeswarm", "contribute", "--model", str(tiny_llama), "--listen", LOCAL[0]]
+    code, screen = in_terminal(argv, cli_env, b"Re-benchmark", b"q", timeout=120)
+    assert code == 0 and b"start-up" in screen and b"Traceback" not in screen
+
+
+def test_contribute_without_a_terminal_runs_headless(tiny_llama, cli_env):
+    proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "contribute", "--model", str(tiny_llama),
+                             "--listen", LOCAL[0]], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True, env=cli_env)
+    try:
+        read_until(lines_of(proc), "peer ", 60)  # today's log lines, not a screen
+    finally:
+        proc.terminate()
+    assert proc.wait(20) == 0
