@@ -158,3 +158,24 @@ def test_replanning_keeps_a_good_enough_plan_and_migrates_make_before_break():
     del view["A"]
     cluster = cluster_from_members(view, MODEL, cluster.workload)
     assert next_assignment(cluster, new, 1.0, PlanState(1, 2, old, old), view, 0.10) == (new, new)
+
+
+def test_clients_route_over_the_active_plan_while_its_stages_load_their_next_spans():
+    """Make-before-break on the client's side: a stage loading (or done loading) its target span still
+    serves its active one, and its heartbeat's `spans` say so; a leaving or banned stage is skipped."""
+    from beeswarm.client.swarm import find_route
+
+    active = [{"stages": [{"node": "A", "start": 0, "end": 4}, {"node": "B", "start": 4, "end": 8}]}]
+    view = {"A": NodeInfo(peer="A", state="loading", layers=(0, 4), spans=((0, 4),)),
+            "B": NodeInfo(peer="B", state="serving", layers=(5, 8), spans=((4, 8), (5, 8)))}
+    never = lambda peer: False  # noqa: E731
+    assert [(h.peer, h.start, h.end) for h in find_route(active, view, never)] == [("A", 0, 4), ("B", 4, 8)]
+    assert find_route(active, {**view, "B": NodeInfo(peer="B", state="serving", layers=(5, 8), spans=((5, 8),))},
+                      never) is None  # B dropped [4, 8)
+    assert find_route(active, {**view, "A": NodeInfo(peer="A", state="leaving", spans=((0, 4),))}, never) is None
+    assert find_route(active, view, lambda peer: peer == "B") is None
+    # the field travels in heartbeats and is checked like the rest
+    wire_form = view["B"].to_wire()
+    assert NodeInfo.from_wire(wire_form, "B").spans == ((4, 8), (5, 8))
+    with pytest.raises(wire.ProtocolError, match="spans"):
+        NodeInfo.from_wire({**wire_form, "spans": [[1, 2, 3]]}, "B")

@@ -1,6 +1,7 @@
 """The contribute dashboard driven by Textual's pilot, its contributor real and joined by real processes."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -9,6 +10,7 @@ import threading
 import time
 
 import pytest
+from textual.widgets import Sparkline
 
 from beeswarm.client.sampling import SamplingParams
 from beeswarm.client.swarm import SwarmClient
@@ -17,9 +19,9 @@ from beeswarm.contributor.process import Contributor, ContributorOptions
 from beeswarm.p2p.identity import ephemeral
 from beeswarm.shard import EntryModel
 from beeswarm.tui.dashboard_app import DashboardApp
+from beeswarm.tui.widgets.log_panel import LogPanel
 from beeswarm.tui.widgets.peers_table import PeersTable
 from beeswarm.tui.widgets.phase_bars import PhaseRow
-from beeswarm.tui.widgets.serving_panel import ServingPanel
 from helpers import LOCAL, in_terminal, lines_of, read_until
 
 async def until(pilot, cond, timeout: float = 90.0, what: str = "the app") -> None:
@@ -50,7 +52,8 @@ def in_plan(contributor: Contributor, peer: str) -> bool:
     return any(s["node"] == peer for p in contributor.coordinator.state.target for s in p["stages"])
 
 
-async def test_dashboard_follows_serving_pausing_and_a_node_leaving(tiny_llama, tmp_path):
+async def test_dashboard_follows_serving_pausing_and_a_node_leaving(tiny_llama, tmp_path, caplog):
+    caplog.set_level(logging.INFO)  # what `contribute` logs on its dashboard
     half = budgets(str(tiny_llama), 2)[0]
     before = set(threading.enumerate())
     contributor = Contributor(ephemeral(), ContributorOptions(model=str(tiny_llama), listen=LOCAL, device="cpu",
@@ -77,18 +80,24 @@ async def test_dashboard_follows_serving_pausing_and_a_node_leaving(tiny_llama, 
                         what="a finished link probe bar")
             await until(pilot, lambda: table(app)[peer_b[-8:]][5] != "-", what="the RTT to the other node")
 
-            # Traffic through the swarm shows in the serving figures.
-            client = SwarmClient(EntryModel(tiny_llama, "float32", "cpu"), [contributor.node.addrs[0]], interval=1.0,
-                                 listen=LOCAL)
-            try:
-                client.generate([3, 14, 15, 92], 12, SamplingParams())
-            finally:
-                client.close()
-            await until(pilot, lambda: contributor.status().serving.tokens >= 12, what="served tokens")
-            await pilot.pause(1.2)  # a refresh of the panel
-            figures = str(app.query_one("#serving-figures").render())
-            assert f"tokens {contributor.status().serving.tokens}" in figures and "compression" in figures
-            assert max(app.query_one(ServingPanel).history) > 0  # the sparkline saw tokens/s
+            # Traffic through the swarm shows in the serving figures (generated beside the app's loop).
+            def generate() -> None:
+                client = SwarmClient(EntryModel(tiny_llama, "float32", "cpu"), [contributor.node.addrs[0]],
+                                     interval=1.0, listen=LOCAL)
+                try:
+                    client.generate([3, 14, 15, 92], 12, SamplingParams())
+                finally:
+                    client.close()
+
+            await asyncio.to_thread(generate)
+            served = contributor.status().serving
+            assert served.tokens >= 12 and served.raw_out > 0 and served.wire_out > 0
+            await until(pilot, lambda: f"tokens {served.tokens}" in str(app.query_one("#serving-figures").render()),
+                        what="the served tokens on screen")
+            assert "compression" in str(app.query_one("#serving-figures").render())
+            assert any("loading layers" in line for line in app.query_one(LogPanel).lines)
+            await until(pilot, lambda: max(app.query_one(Sparkline).data, default=0) > 0,
+                        what="tokens/s in the sparkline")
 
             # p: paused; the coordinator plans a third node in instead of this one.
             c, peer_c = spawn(tiny_llama, half, contributor.node.addrs[0], tmp_path / "c")

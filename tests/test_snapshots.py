@@ -7,7 +7,10 @@ tests/test_tui.py, beside its real swarm.
 """
 from __future__ import annotations
 
+import logging
 import threading
+
+import pytest
 
 from beeswarm.contributor.status import ContributorStatus, PeerRow, Progress, ServingFigures, ShardFigures
 from beeswarm.tui.dashboard_app import DashboardApp
@@ -23,7 +26,8 @@ STATUS = ContributorStatus(
            PeerRow("12D3KooWHx7nJr2vK1s9Fq3Lw8pD4mZ6cT5bY2aN1uEclient", "client", None, "cpu", 0.0, 61.2, 18.0,
                    "joining")),
     shard=ShardFigures((0, 4), 0.25, 8 << 30, 3 << 30),
-    serving=ServingFigures(sessions=2, steps=812, tokens=1930, tokens_per_s=41.5, raw_in=7 << 20,
+    serving=ServingFigures(sessions=2, steps=812, tokens=1930, tokens_per_s=41.5,
+                           history=tuple(float(min(t, 41.5)) for t in range(0, 120, 2)), raw_in=7 << 20,
                            wire_in=5 << 20, raw_out=7 << 20, wire_out=5 << 20),
     progress=(Progress("bench", "device benchmark", 6, 6, started=0.0),
               Progress("download model-00001-of-00002.safetensors", "download model-00001-of-00002...",
@@ -46,6 +50,14 @@ class Recorded:
 
     def stop(self) -> None:
         self.stopping.set()
+
+
+@pytest.fixture(autouse=True)
+def quiet_log():
+    """Nothing logged by other tests' leftovers may reach the log panel while a screen is taken."""
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
 
 
 def test_dashboard_main_screen(snap_compare):

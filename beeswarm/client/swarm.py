@@ -46,6 +46,18 @@ class SwarmGeneration:
     spec: SpecReport | None = None
 
 
+def find_route(active: list[dict], view: dict[str, NodeInfo], banned: Callable[[str], bool]) -> list[Hop] | None:
+    """The first active pipeline whose every stage is a member serving its span and not banned.
+
+    A stage loading its next span (a migration) still serves the old one: its `spans` say so."""
+    for pipeline in active:
+        hops = [Hop(s["node"], s["start"], s["end"]) for s in pipeline["stages"]]
+        if all(h.peer in view and view[h.peer].state != "leaving" and (h.start, h.end) in view[h.peer].spans
+               and not banned(h.peer) for h in hops):
+            return hops
+    return None
+
+
 class SwarmClient:
     def __init__(self, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None,
                  interval: float = 3.0, mode: str = "push", listen: list[str] | None = None,
@@ -89,13 +101,7 @@ class SwarmClient:
                       f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch})")
 
     def _find_route(self) -> list[Hop] | None:
-        view = self.members.view()
-        for pipeline in self.coordinator.state.active:
-            hops = [Hop(s["node"], s["start"], s["end"]) for s in pipeline["stages"]]
-            if all(h.peer in view and view[h.peer].state == "serving" and view[h.peer].layers == (h.start, h.end)
-                   and not self.node.bans.is_banned(h.peer) for h in hops):
-                return hops
-        return None
+        return find_route(self.coordinator.state.active, self.members.view(), self.node.bans.is_banned)
 
     def _planned_micro_batches(self, route: list[Hop]) -> int:
         for pipeline in self.coordinator.state.active:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm.contributor.stage import StageServer
-from beeswarm.contributor.status import (ContributorStatus, PeerRow, Progress, RateMeter, ServingFigures,
-                                         ShardFigures)
+from beeswarm.contributor.status import (HISTORY, ContributorStatus, PeerRow, Progress, RateMeter,
+                                         ServingFigures, ShardFigures)
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.service import CoordinatorService, PlanState
 from beeswarm.p2p.identity import Identity
@@ -63,7 +64,7 @@ class Contributor:
         self._lock = threading.Lock()
         self._progress: dict[str, Progress] = {}
         self._rate = RateMeter()
-        self._tokens_per_s = 0.0
+        self._history: deque[float] = deque(maxlen=HISTORY)
         self._benching = threading.Lock()
 
     def run(self) -> None:
@@ -185,8 +186,8 @@ class Contributor:
     def _tick(self) -> None:
         """Measure the tokens/s served and put it in the heartbeat (peers show it in their tables)."""
         served = self.server.traffic.tokens if self.server is not None else 0
-        self._tokens_per_s = self._rate.add(served)
-        self.members.update(load=round(self._tokens_per_s, 2))
+        self._history.append(self._rate.add(served))
+        self.members.update(load=round(self._history[-1], 2))
 
     def status(self) -> ContributorStatus:
         """A snapshot of this node and the swarm as it sees it (cheap: the dashboard polls it)."""
@@ -210,8 +211,10 @@ class Contributor:
         sessions = list(server.sessions.values()) if server else []
         resident = round(len(server.runtimes.get(self.span).layers) * self.layer_bytes) \
             if server and self.span in server.runtimes else 0
-        serving = ServingFigures(len(sessions), traffic.steps, traffic.tokens, self._tokens_per_s, traffic.raw_in,
-                                 traffic.wire_in, traffic.raw_out, traffic.wire_out) if traffic else ServingFigures()
+        history = tuple(self._history)
+        serving = ServingFigures(len(sessions), traffic.steps, traffic.tokens, history[-1] if history else 0.0,
+                                 history, traffic.raw_in, traffic.wire_in, traffic.raw_out, traffic.wire_out) \
+            if traffic else ServingFigures(history=history)
         return ContributorStatus(
             state="stopped" if self.stopped.is_set() else me.state, coordinator=lease.leader if lease else None,
             term=lease.term if lease else 0, epoch=self.coordinator.state.epoch, addrs=tuple(self.node.addrs),
@@ -239,6 +242,7 @@ class Contributor:
         with self._lock:
             if self.server is not None:  # keep what clients route over (active) and what comes next (target)
                 self.server.keep_only(target | self._my_spans(state.active))
+                self.members.update(spans=tuple(sorted(self.server.runtimes)))
                 if self.span is not None and self.span not in self.server.runtimes:
                     self.span = None  # the plan moved on without it
                     self.members.update(layers=None, state="paused" if self.paused else "idle")
@@ -275,5 +279,6 @@ class Contributor:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading, self.offload_fraction = span, None, offload_fraction
             state = "paused" if self.paused else "serving"
-        self.members.update(layers=span, state=state)
+            spans = tuple(sorted(self.server.runtimes))
+        self.members.update(layers=span, spans=spans, state=state)
         self.say(f"serving {span[0]} {span[1]}")

@@ -58,6 +58,7 @@ class ServingFigures:
     steps: int = 0
     tokens: int = 0
     tokens_per_s: float = 0.0  # over the last few seconds
+    history: tuple[float, ...] = ()  # tokens/s once a second, oldest first (for a sparkline)
     raw_in: int = 0
     wire_in: int = 0
     raw_out: int = 0
@@ -84,6 +85,9 @@ class ContributorStatus:
     shard: ShardFigures | None = None
     serving: ServingFigures = ServingFigures()
     progress: tuple[Progress, ...] = ()
+
+
+HISTORY = 120  # seconds of tokens/s kept
 
 
 class RateMeter:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 TOPIC = "members"
 MISSED_BEATS = 3
+MAX_SPANS = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class NodeInfo:
     memory_bytes: int = 0
     bench: dict[str, float] = field(default_factory=dict)  # device benchmark figures for the planner
     layers: tuple[int, int] | None = None  # the span served, [start, end)
+    spans: tuple[tuple[int, int], ...] = ()  # every span loaded and served (two while migrating)
     load: float = 0.0
     state: str = "joining"  # joining | loading | serving | paused | leaving
     version: str = beeswarm.__version__
@@ -42,6 +44,7 @@ class NodeInfo:
     def to_wire(self) -> dict:
         d = asdict(self)
         d["addrs"], d["layers"] = list(self.addrs), list(self.layers) if self.layers else None
+        d["spans"] = [list(span) for span in self.spans]
         d["links"] = {peer: list(v) for peer, v in self.links.items()}
         return d
 
@@ -66,8 +69,14 @@ class NodeInfo:
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2 and
                                        all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
             raise wire.ProtocolError("layers must be null or [start, end]")
+        spans = d.get("spans", [])
+        if not isinstance(spans, list) or len(spans) > MAX_SPANS or not all(
+                isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+                for s in spans):
+            raise wire.ProtocolError(f"spans must be a list of at most {MAX_SPANS} [start, end] pairs")
         return cls(peer=d["peer"], addrs=tuple(d["addrs"]), role=d["role"], device=d["device"],
                    memory_bytes=d["memory_bytes"], bench=dict(d["bench"]), layers=tuple(layers) if layers else None,
+                   spans=tuple(tuple(s) for s in spans),
                    load=float(d["load"]), state=d["state"], version=d["version"],
                    links={k: (float(v[0]), float(v[1]), float(v[2])) for k, v in links.items()})
 

@@ -72,20 +72,20 @@ class DashboardApp(App):
         self.query_one("#log").border_title = "log"
         self._handler = PanelHandler(self, self.query_one(LogPanel))
         logging.getLogger().addHandler(self._handler)
-        self.refresh_status(sample=False)
+        self.refresh_status()
         self.set_interval(REFRESH_S, self.refresh_status)
         if self.start_backend:
             self.serve()
 
-    def refresh_status(self, sample: bool = True) -> None:
-        self.show(self.contributor.status(), sample)
+    def refresh_status(self) -> None:
+        self.show(self.contributor.status())
 
-    def show(self, s: ContributorStatus, sample: bool = True) -> None:
+    def show(self, s: ContributorStatus) -> None:
         self.sub_title = f"{s.state}, {s.serving.tokens_per_s:.1f} tok/s"
         self.query_one(IdentityPanel).show(s)
         self.query_one(PhaseBars).show(s.progress)
         self.query_one(ShardPanel).show(s.shard)
-        self.query_one(ServingPanel).show(s.serving, sample)
+        self.query_one(ServingPanel).show(s.serving)
         self.query_one(PeersTable).show(s.peers)
 
     @work(thread=True, exclusive=True, group="contributor")

@@ -8,22 +8,13 @@ from textual.widgets import Sparkline, Static
 from beeswarm.contributor.status import ServingFigures
 from beeswarm.tui.widgets.units import size
 
-HISTORY = 120  # samples kept for the sparkline
-
-
 class ServingPanel(Vertical):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.history: list[float] = []
-
     def compose(self) -> ComposeResult:
         yield Static(id="serving-figures")
         yield Sparkline([], id="serving-sparkline")
 
-    def show(self, f: ServingFigures, sample: bool = True) -> None:
-        if sample:
-            self.history = [*self.history, f.tokens_per_s][-HISTORY:]
-            self.query_one(Sparkline).data = self.history
+    def show(self, f: ServingFigures) -> None:
+        self.query_one(Sparkline).data = list(f.history)
         self.query_one("#serving-figures", Static).update(
             f"{f.tokens_per_s:.1f} tok/s   sessions {f.sessions}\n"
             f"steps {f.steps}   tokens {f.tokens}\n"
