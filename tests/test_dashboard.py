@@ -42,9 +42,12 @@ def table(app) -> dict[str, list[str]]:
 def spawn(tiny_llama, budget: int, join: str, folder) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "BEESWARM_CONFIG_DIR": str(folder), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("BEESWARM_IDENTITY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "contribute", "--headless", "--model", str(tiny_llama),
-                             "--listen", LOCAL[0], "--max-memory", str(budget), "--heartbeat", "1", "--join", join],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    folder.mkdir(parents=True)
+    with open(folder / "stderr.log", "w") as log:  # read by an assertion's message when the child fails
+        proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "--log-level", "INFO", "contribute", "--headless",
+                                 "--model", str(tiny_llama), "--listen", LOCAL[0], "--max-memory", str(budget),
+                                 "--heartbeat", "1", "--join", join], stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=env)
     return proc, read_until(lines_of(proc), "peer ", 60)[0].split()[1]
 
 
@@ -113,8 +116,16 @@ async def test_dashboard_follows_serving_pausing_and_a_node_leaving(tiny_llama, 
 
             # A node leaving disappears from the table.
             b.terminate()
-            assert b.wait(20) == 0
+            assert b.wait(20) == 0, (tmp_path / "b" / "stderr.log").read_text()[-3000:]
             await until(pilot, lambda: peer_b[-8:] not in table(app), what="the departed node's row to go")
+
+            # b measures the device again and publishes the new figures.
+            pressed = time.monotonic()
+            await pilot.press("b")
+            await until(pilot, lambda: any("re-benchmarked" in line for line in app.query_one(LogPanel).lines),
+                        what="the second benchmark")
+            bench = next(p for p in contributor.status().progress if p.key == "bench")
+            assert bench.started >= pressed and bench.finished  # measured again, not read from the cache
 
             # ? shows help; q leaves the swarm and the app ends by itself once the contributor is gone.
             await pilot.press("question_mark")

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from beeswarm.client.generate import generate
 from beeswarm.client.local import LocalPipeline, even_splits
 from beeswarm.client.sampling import SamplingParams, probabilities
-from helpers import reference_greedy
+from helpers import alive, in_terminal, reference_greedy, wait_for
 
 
 def beeswarm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -77,3 +77,24 @@ def test_tinycode_demo_writes_python():
     text = json.loads(out.stdout)["text"]
     # A model trained on the standard library continues a function with indented code.
     assert "\n    " in text, text
+
+
+def test_demo_app_on_a_terminal_stops_its_swarm_when_left(tiny_llama, tmp_path):
+    """`demo` without --prompt opens the chat app beside the swarm; Ctrl-Q ends it and every child."""
+    tag = f"demo-{os.getpid()}-{tmp_path.name}"  # inherited by the demo's contributor processes
+
+    def tagged() -> list[int]:
+        pids, marker = [], f"BEESWARM_TEST_TAG={tag}".encode()
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and marker in open(f"/proc/{entry}/environ", "rb").read():
+                    pids.append(int(entry))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+        return [pid for pid in pids if alive(pid)]
+
+    env = {**os.environ, "BEESWARM_TEST_TAG": tag, "BEESWARM_CONFIG_DIR": str(tmp_path / "config")}
+    code, screen = in_terminal([sys.executable, "-m", "beeswarm", "demo", "--model", str(tiny_llama)], env,
+                               b"Say something", b"\x11", timeout=180)
+    assert code == 0 and b"Traceback" not in screen
+    wait_for(lambda: not tagged(), 15, "the demo's contributors to exit")

@@ -29,7 +29,12 @@ from beeswarm.shard.span import Span, SpanRuntime
 
 log = logging.getLogger(__name__)
 LEAVE_GRACE_S = 5.0
+WORKER_GRACE_S = 30.0  # a benchmark or span load still running when leaving stops at its next step
 TICK_S = 1.0  # how often the served tokens/s is measured and put in the heartbeat
+
+
+class Leaving(Exception):
+    """Raised at the next progress step of long work (benchmark, span loading) once the node leaves."""
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Contributor:
         self._rate = RateMeter()
         self._history: deque[float] = deque(maxlen=HISTORY)
         self._benching = threading.Lock()
+        self._workers: list[threading.Thread] = []  # span loads and re-benchmarks, joined when leaving
 
     def run(self) -> None:
         """Serve until `stop()` (or a signal handler calling it); then leave gracefully."""
@@ -76,8 +82,9 @@ class Contributor:
 
     def _serve(self) -> None:
         o = self.options
-        figures = self._benchmark(refresh=False)
-        if self.stopping.is_set():
+        try:
+            figures = self._benchmark(refresh=False)
+        except Leaving:
             return
         shape = ModelShape(figures.num_layers, figures.hidden_size, figures.layer_bytes,
                            figures.kv_bytes_per_token_layer, act_bytes=2)
@@ -109,8 +116,9 @@ class Contributor:
         try:
             figures = benchmark.run(o.model, o.device, o.dtype, refresh=refresh,
                                     progress=lambda line: log.info("%s", line),
-                                    on_step=lambda done, total: self._report("bench", "device benchmark",
-                                                                             done, total))
+                                    on_step=lambda done, total: self._step("bench", "device benchmark", done, total))
+        except Leaving:
+            raise
         except Exception as e:
             self._report("bench", "device benchmark", error=str(e))
             raise
@@ -132,11 +140,23 @@ class Contributor:
             self._progress[key] = Progress(key, label, done, total, unit, error=error,
                                            **({} if restart else {"started": old.started}))
 
+    def _step(self, key: str, label: str, done: float, total: float | None, unit: str = "") -> None:
+        """Progress of long work, which stops here once the node is leaving."""
+        if self.stopping.is_set():
+            raise Leaving
+        self._report(key, label, done, total, unit)
+
+    def _start_worker(self, target: Callable, name: str, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._workers = [t for t in self._workers if t.is_alive()] + [thread]
+        thread.start()
+
     def _probe_progress(self, peer: str, done: int, total: int, error: str | None) -> None:
         self._report(f"probe {peer}", f"link probe {peer[-8:]}", done, total, error=error)
 
     def _download_progress(self, file: str, done: int, total: int | None) -> None:
-        self._report(f"download {file}", f"download {file}", done, total, unit="B")
+        self._step(f"download {file}", f"download {file}", done, total, unit="B")
 
     def _link_rate(self, peer: str) -> float | None:
         probe = self.prober.cached(peer)
@@ -174,12 +194,14 @@ class Contributor:
                 self.members.update(bench=self._bench_info(figures), memory_bytes=self.memory)
                 self.coordinator.mark_dirty()
                 self.say(f"re-benchmarked: {figures.layer_ms_base:.3f} ms per layer")
+            except Leaving:
+                pass
             except Exception:  # noqa: BLE001 - shown in the progress bar and the log
                 log.exception("benchmark failed")
             finally:
                 self._benching.release()
 
-        threading.Thread(target=run, name="rebench", daemon=True).start()
+        self._start_worker(run, "rebench")
         return True
 
     # figures ---------------------------------------------------------------------------------------
@@ -229,6 +251,11 @@ class Contributor:
         deadline = time.monotonic() + LEAVE_GRACE_S
         while self.server is not None and self.server.busy and time.monotonic() < deadline:
             time.sleep(0.05)  # finish in-flight steps
+        with self._lock:
+            workers = list(self._workers)
+        deadline = time.monotonic() + WORKER_GRACE_S
+        for thread in workers:  # torch work still running at interpreter exit can abort the process
+            thread.join(max(0.0, deadline - time.monotonic()))
         if self.server is not None:
             self.server.stop()
         self.node.stop()
@@ -247,12 +274,12 @@ class Contributor:
                     self.span = None  # the plan moved on without it
                     self.members.update(layers=None, state="paused" if self.paused else "idle")
             mine = next(iter(target), None)
-            if mine is None or mine == self.span or mine == self._loading or self.paused:
+            if mine is None or mine == self.span or mine == self._loading or self.paused or self.stopping.is_set():
                 return
             self._loading = mine
             offload = next(float(s.get("offload_fraction", 0.0)) for p in state.target for s in p["stages"]
                            if s["node"] == self.identity.peer_id)
-        threading.Thread(target=self._load, args=(mine, offload), name="span-loader", daemon=True).start()
+        self._start_worker(self._load, "span-loader", mine, offload)
 
     def _load(self, span: tuple[int, int], offload_fraction: float = 0.0) -> None:
         self.members.update(state="loading")
@@ -262,7 +289,9 @@ class Contributor:
         try:
             runtime = SpanRuntime.load(self.options.model, Span(*span), self.options.dtype, self.options.device,
                                        offload_fraction, on_bytes=self._download_progress,
-                                       on_layer=lambda done, total: self._report("load", label, done, total))
+                                       on_layer=lambda done, total: self._step("load", label, done, total))
+        except Leaving:
+            return
         except Exception as e:  # noqa: BLE001 - report, keep serving the old span
             log.exception("could not load layers [%d, %d)", *span)
             self._report("load", label, error=str(e))

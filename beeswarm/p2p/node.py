@@ -228,6 +228,8 @@ class Node:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
             raise NodeError("node has stopped") from None
+        except trio.Cancelled:  # the node's loop cancelled the call: it is stopping
+            raise NodeError("node is stopping") from None
         except BaseExceptionGroup as e:
             if e.split(trio.Cancelled)[1] is None:  # nothing but cancellation: the node is stopping
                 raise NodeError("node is stopping") from None

@@ -38,15 +38,16 @@ def build_layers(folder: Path, config, start: int, end: int, dtype, device,
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ShardError(f"span [{start}, {end}) is out of range: the model has layers [0, {config.num_hidden_layers})")
     cls = family(config).decoder_layer
-    with torch.device("meta"):
-        layers = [cls(config, layer_idx=i) for i in range(start, end)]
-    names = [f"model.layers.{i}.{k}" for i, layer in zip(range(start, end), layers) for k in layer.state_dict()]
-    tensors = checkpoint.read_tensors(folder, checkpoint.weight_map(folder), names)
-    log.info("loaded layers [%d, %d) of %s: %d tensors", start, end, folder, len(tensors))
+    files = checkpoint.weight_map(folder)
     built = nn.ModuleList()
-    for i, layer in zip(range(start, end), layers):
-        built.append(_materialize(layer, f"model.layers.{i}.", tensors, dtype, device))
+    for i in range(start, end):  # a layer at a time: host memory holds one layer's tensors, not the span's
+        with torch.device("meta"):
+            layer = cls(config, layer_idx=i)
+        names = [f"model.layers.{i}.{k}" for k in layer.state_dict()]
+        built.append(_materialize(layer, f"model.layers.{i}.", checkpoint.read_tensors(folder, files, names), dtype,
+                                  device))
         on_layer(len(built))
+    log.info("loaded layers [%d, %d) of %s", start, end, folder)
     return built
 
 
