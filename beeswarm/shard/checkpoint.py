@@ -118,7 +118,7 @@ def resolve_config(ref: str, revision: str | None = None) -> Path:
 
 def progress_bar_class(name: str, on_bytes: OnBytes) -> type:
     """A tqdm class for `hf_hub_download(tqdm_class=...)` that reports bytes instead of drawing a bar."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     class Report(tqdm):
         def __init__(self, *args, **kwargs):

@@ -34,6 +34,7 @@ Panels: this node and its swarm; start-up progress; this node's shard; what it s
 from this node); the log."""
 
 REFRESH_S = 0.5
+log = logging.getLogger(__name__)
 
 
 class DashboardApp(App):
@@ -78,7 +79,12 @@ class DashboardApp(App):
             self.serve()
 
     def refresh_status(self) -> None:
-        self.show(self.contributor.status())
+        try:
+            status = self.contributor.status()
+        except Exception:  # noqa: BLE001 - a figure that could not be read this time: log it, keep the app
+            log.exception("could not read the contributor's status")
+            return
+        self.show(status)
 
     def show(self, s: ContributorStatus) -> None:
         self.sub_title = f"{s.state}, {s.serving.tokens_per_s:.1f} tok/s"
@@ -94,7 +100,7 @@ class DashboardApp(App):
             self.contributor.run()
         except BaseException as e:  # noqa: BLE001 - shown in the app; the command exits non-zero
             self.failure = e
-            logging.getLogger(__name__).error("the contributor stopped: %s", e)
+            log.error("the contributor stopped: %s", e)
         if self.is_running:
             self.call_from_thread(self.exit)
 
