@@ -21,6 +21,29 @@ def wait_for(cond, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+async def until(pilot, cond, timeout: float = 90.0, what: str = "the app") -> None:
+    """`wait_for` inside a Textual pilot test: the app keeps running while `cond` is polled."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def threads_left(before: set, timeout: float = 15.0) -> list[str]:
+    """Names of threads started since `before` that are still alive after up to `timeout` seconds.
+
+    asyncio_N threads are left out: the test's own event loop's executor, closed with the loop."""
+    def left() -> list[str]:
+        return [t.name for t in threading.enumerate() if t not in before and t.is_alive()
+                and not t.name.startswith("asyncio_")]
+
+    deadline = time.monotonic() + timeout
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left()
+
+
 def reference_greedy(folder, prompt_ids: list[int], n: int) -> list[int]:
     """transformers' own greedy continuation of `prompt_ids` on the checkpoint in `folder` (the oracle)."""
     import torch

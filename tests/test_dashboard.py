@@ -22,14 +22,7 @@ from beeswarm.tui.dashboard_app import DashboardApp
 from beeswarm.tui.widgets.log_panel import LogPanel
 from beeswarm.tui.widgets.peers_table import PeersTable
 from beeswarm.tui.widgets.phase_bars import PhaseRow
-from helpers import LOCAL, in_terminal, lines_of, read_until
-
-async def until(pilot, cond, timeout: float = 90.0, what: str = "the app") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.1)
+from helpers import LOCAL, in_terminal, lines_of, read_until, threads_left, until
 
 
 def table(app) -> dict[str, list[str]]:
@@ -137,12 +130,7 @@ async def test_dashboard_follows_serving_pausing_and_a_node_leaving(tiny_llama, 
         for proc in children:  # their output readers are the test's threads, not the app's
             proc.terminate()
             proc.wait(20)
-        # asyncio_N: the test's event loop's executor, which closes with the loop after the test.
-        deadline = time.monotonic() + 15
-        while (left := [t for t in threading.enumerate() if t not in before and t.is_alive()
-                         and not t.name.startswith("asyncio_")]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left, f"threads left behind: {[t.name for t in left]}"
+        assert not (left := threads_left(before)), f"threads left behind: {left}"
     finally:
         contributor.stop()
         for proc in children:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -18,7 +17,7 @@ from beeswarm.tui.chat_app import ChatApp
 from beeswarm.tui.widgets.status_bar import StatusBar
 from beeswarm.tui.widgets.swarm_panel import SwarmPanel
 from beeswarm.tui.widgets.transcript import Transcript
-from helpers import LOCAL
+from helpers import LOCAL, threads_left, until
 
 @pytest.fixture(scope="module")
 def swarm_client(tiny_llama, tmp_path_factory):
@@ -44,13 +43,6 @@ def session_of(client, max_new_tokens: int) -> ChatSession:
     tokenizer = AutoTokenizer.from_pretrained(str(client.entry.folder))
     return ChatSession(client, tokenizer, SamplingParams(), max_new_tokens)
 
-
-async def until(pilot, cond, timeout: float = 60.0, what: str = "the app") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
 
 
 def status(app) -> str:
@@ -99,14 +91,7 @@ async def test_ctrl_c_stops_a_reply_without_leaving(swarm_client):
         assert app.last_reply.stopped and app.last_reply.tokens < 400
         assert app.is_running and "stopped" in status(app)
         await pilot.press("ctrl+q")
-    def left_behind() -> list[str]:
-        # asyncio_N: the test's own event loop executor, shut down with the loop after the test
-        return [t.name for t in set(threading.enumerate()) - threads_before if not t.name.startswith("asyncio_")]
-
-    deadline = time.monotonic() + 10
-    while left_behind() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left_behind()  # the app (and its reply worker) left no thread behind
+    assert not threads_left(threads_before)  # the app (and its reply worker) left no thread behind
 
 
 async def test_demo_side_panel_lists_the_swarm(swarm_client):

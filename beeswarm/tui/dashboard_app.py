@@ -11,7 +11,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Header, Static
+from textual.widgets import Footer, Header
 
 from beeswarm.contributor.process import LEAVE_GRACE_S, Contributor
 from beeswarm.contributor.status import ContributorStatus
