@@ -34,6 +34,8 @@ Panels: this node and its swarm; start-up progress; this node's shard; what it s
 from this node); the log."""
 
 REFRESH_S = 0.5
+PANEL_TITLES = {"identity": "node", "phases": "start-up", "shard": "my shard", "serving": "serving",
+                "peers": "peers", "log": "log"}
 log = logging.getLogger(__name__)
 
 
@@ -65,12 +67,8 @@ class DashboardApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#identity").border_title = "node"
-        self.query_one("#phases").border_title = "start-up"
-        self.query_one("#shard").border_title = "my shard"
-        self.query_one("#serving").border_title = "serving"
-        self.query_one("#peers").border_title = "peers"
-        self.query_one("#log").border_title = "log"
+        for panel, title in PANEL_TITLES.items():
+            self.query_one(f"#{panel}").border_title = title
         self._handler = PanelHandler(self, self.query_one(LogPanel))
         logging.getLogger().addHandler(self._handler)
         self.refresh_status()

@@ -44,19 +44,17 @@ class PhaseRow(Horizontal):
 
 
 class PhaseBars(Vertical):
-    """Bars keyed by phase; a finished probe or download bar leaves once newer work needs the room."""
+    """One bar per phase; the oldest finished bars leave once newer work needs the room."""
 
     MAX_ROWS = 6
 
     def show(self, progress: tuple[Progress, ...]) -> None:
-        rows = {row.progress.key: row for row in self.query(PhaseRow)}
-        live = sorted(progress, key=lambda p: (p.finished, p.started))[: self.MAX_ROWS]
-        keys = {p.key for p in live}
-        for key, row in rows.items():
-            if key not in keys:
-                row.remove()
-        for p in live:
-            if p.key in rows:
-                rows[p.key].show(p)
-            else:
-                self.mount(PhaseRow(p))
+        # running work first (oldest on top), then what finished, newest first
+        live = sorted(progress, key=lambda p: (p.finished, -p.started if p.finished else p.started))[: self.MAX_ROWS]
+        rows = list(self.query(PhaseRow))
+        if [row.progress.key for row in rows] == [p.key for p in live]:
+            for row, p in zip(rows, live):
+                row.show(p)
+        else:  # the order changed: lay the rows out again
+            self.remove_children()
+            self.mount_all(PhaseRow(p) for p in live)
