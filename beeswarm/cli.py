@@ -173,6 +173,10 @@ def cmd_contribute(args) -> int:
                                  max_memory=args.max_memory, secret=_secret(args.swarm_secret_env),
                                  interval=args.heartbeat)
     dashboard = not args.headless and _interactive()
+    if dashboard:  # a model that cannot be found is one line of error, not a screen opened and closed
+        from beeswarm.shard import checkpoint
+
+        checkpoint.resolve_config(model)
     say = logging.getLogger("beeswarm").info if dashboard else lambda line: print(line, flush=True)
     contributor = Contributor(identity.load_or_create(), options, say=say)
     signal.signal(signal.SIGTERM, lambda *_: contributor.stop())  # leave gracefully, as Ctrl-C or `q` does

@@ -160,3 +160,10 @@ def test_contribute_without_a_terminal_runs_headless(tiny_llama, cli_env):
     finally:
         proc.terminate()
     assert proc.wait(20) == 0
+
+
+def test_contribute_with_a_missing_model_says_so_before_any_screen(cli_env, tmp_path):
+    argv = [sys.executable, "-m", "beeswarm", "contribute", "--model", str(tmp_path / "nowhere")]
+    code, screen = in_terminal(argv, cli_env, b"", b"", timeout=60)
+    assert code == 2 and b"beeswarm: error: model" in screen
+    assert b"\x1b[?1049h" not in screen  # the dashboard's alternate screen never opened
