@@ -178,6 +178,7 @@ def test_link_codec_counts_bytes_and_time():
     assert link.frames == 3 and link.raw_bytes == 3 * arr.nbytes
     assert link.wire_bytes < link.raw_bytes and link.compression_ratio > 1.25
     assert link.encode_s > 0 and link.decode_s > 0
+    assert (link.raw_in, link.wire_in) == (link.raw_bytes, link.wire_bytes)  # what it received: the same frames
 
 
 def test_concurrent_encoders_and_decoders_are_safe():

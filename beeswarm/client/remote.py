@@ -112,16 +112,15 @@ class RemotePipeline:
         self._channels: dict[str, Channel] = {}
         self._step_ids = itertools.count()
         self._lock = threading.Lock()
-        self._received = [0, 0]  # wire, raw bytes of results
 
     # bytes on the wire as the entry saw them (its own sends and what came back)
     @property
     def wire_bytes(self) -> int:
-        return sum(link.wire_bytes for link in self.links.values()) + self._received[0]
+        return sum(link.wire_bytes + link.wire_in for link in self.links.values())
 
     @property
     def raw_bytes(self) -> int:
-        return sum(link.raw_bytes for link in self.links.values()) + self._received[1]
+        return sum(link.raw_bytes + link.raw_in for link in self.links.values())
 
     def open(self, max_length: int) -> str:
         session = os.urandom(8).hex()
@@ -199,11 +198,7 @@ class RemotePipeline:
             stages = {h.peer for h in self.route}
             culprit = named if named in stages else reply["from"] if reply["from"] in stages else hop.peer
             raise StageFailed(culprit, str(reply.get("error")))
-        out = tensors.decode(reply["frame"], self.links[last.peer], self.node.config.max_tensor_bytes)
-        with self._lock:
-            self._received[0] += len(reply["frame"])
-            self._received[1] += out.numel() * out.element_size()
-        return out
+        return tensors.decode(reply["frame"], self.links[last.peer], self.node.config.max_tensor_bytes)
 
     def _on_disconnected(self, peer: str) -> None:
         if any(h.peer == peer for h in self.route):

@@ -102,15 +102,17 @@ def encode(buffer, dtype: str, shape: tuple[int, ...], layout: str = "auto",
 
 @dataclass
 class LinkCodec:
-    """The codec for one link: picks layouts from its bandwidth and counts what it moved.
+    """The codec for one link: picks layouts from its bandwidth and counts what it moved both ways.
 
     Thread-safe; `link_bytes_per_s` may be updated as probes report new figures.
     """
 
     link_bytes_per_s: float | None = None
     max_bytes: int = frame.DEFAULT_MAX_BYTES
-    raw_bytes: int = 0
-    wire_bytes: int = 0
+    raw_bytes: int = 0  # sent: before encoding
+    wire_bytes: int = 0  # sent: as framed
+    raw_in: int = 0  # received: decoded
+    wire_in: int = 0  # received: as framed
     frames: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
@@ -143,6 +145,8 @@ class LinkCodec:
         elapsed = time.perf_counter() - t
         with self._lock:
             self.decode_s += elapsed
+            self.raw_in += out.data.nbytes
+            self.wire_in += memoryview(data).nbytes
         return out
 
     @property

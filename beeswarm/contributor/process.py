@@ -207,7 +207,7 @@ class Contributor:
     # figures ---------------------------------------------------------------------------------------
     def _tick(self) -> None:
         """Measure the tokens/s served and put it in the heartbeat (peers show it in their tables)."""
-        served = self.server.traffic.tokens if self.server is not None else 0
+        served = self.server.tokens if self.server is not None else 0
         self._history.append(self._rate.add(served))
         self.members.update(load=round(self._history[-1], 2))
 

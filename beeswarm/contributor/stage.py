@@ -54,16 +54,16 @@ class _Session:
     kv_bytes: int = 0  # the KV cache allocated for it
 
 
-@dataclass
+@dataclass(frozen=True)
 class Traffic:
-    """What a stage computed and moved since it started (written by its compute thread only)."""
+    """What a stage computed and moved since it started."""
 
-    steps: int = 0
-    tokens: int = 0  # positions computed (a speculative round's tree counts each node)
-    raw_in: int = 0  # hidden-state bytes received, decoded
-    wire_in: int = 0  # ... as they crossed the wire
-    raw_out: int = 0
-    wire_out: int = 0
+    steps: int
+    tokens: int  # positions computed (a speculative round's tree counts each node)
+    raw_in: int  # hidden-state bytes received, decoded
+    wire_in: int  # ... as they crossed the wire
+    raw_out: int
+    wire_out: int
 
 
 @dataclass
@@ -102,7 +102,7 @@ class StageServer:
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
-        self.traffic = Traffic()
+        self.steps = self.tokens = 0  # written by the compute thread only
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._out: dict[tuple[str, str], Channel] = {}  # (peer, protocol) -> channel
         self._codecs: dict[str, codec.LinkCodec] = {}
@@ -134,6 +134,14 @@ class StageServer:
             self.runtimes = {span: r for span, r in self.runtimes.items() if span in spans}
             live = set(self.runtimes.values())
             self.sessions = {k: s for k, s in self.sessions.items() if s.runtime in live}
+
+    @property
+    def traffic(self) -> Traffic:
+        """Steps and tokens computed; bytes as the links' codecs counted them."""
+        with self._lock:
+            links = list(self._codecs.values())
+        return Traffic(self.steps, self.tokens, sum(c.raw_in for c in links), sum(c.wire_in for c in links),
+                       sum(c.raw_bytes for c in links), sum(c.wire_bytes for c in links))
 
     @property
     def busy(self) -> bool:
@@ -254,8 +262,8 @@ class StageServer:
             for (item, session, step), out in zip(steps, outputs):
                 if out is not None:
                     self._forward(item, session, out)
-                    self.traffic.tokens += step.hidden.shape[0]
-            self.traffic.steps += len(steps)
+                    self.tokens += step.hidden.shape[0]
+            self.steps += len(steps)
 
     def _step_alone(self, runtime: SpanRuntime, item: _Step, step: StepInput) -> torch.Tensor | None:
         try:
@@ -270,8 +278,6 @@ class StageServer:
         if session is None or session.prev != item.sender:
             raise SessionError(f"unknown session {msg['session']!r} (or not from its previous hop)")
         hidden = tensors.decode(msg["frame"], self.link(item.sender), self.node.config.max_tensor_bytes)
-        self.traffic.wire_in += len(msg["frame"])
-        self.traffic.raw_in += hidden.numel() * hidden.element_size()
         if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise wire.ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
         mask = unpack_mask(msg.get("mask"), hidden.shape[0]) if hidden.dim() == 2 else None
@@ -286,8 +292,6 @@ class StageServer:
         layout = "auto" if session.compress else "raw"
         target = session.entry if session.next is None else session.next
         frame = tensors.encode(out, self.link(target), layout)
-        self.traffic.wire_out += len(frame)
-        self.traffic.raw_out += out.numel() * out.element_size()
         if session.next is None:
             protocol = RESULT_PROTOCOL
             reply = wire.message("result", session=session.session, step=msg["step"], frame=frame)
