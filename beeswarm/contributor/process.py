@@ -178,10 +178,14 @@ class Contributor:
             return
         with self._lock:
             self.paused = paused
-            state = "paused" if paused else ("serving" if self.span else "idle")
+            state = self._resting_state()
         self.members.update(state=state)
         self.coordinator.mark_dirty()
         self.say(f"{'paused' if paused else 'resumed'} serving")
+
+    def _resting_state(self) -> str:
+        """The state to announce when not loading."""
+        return "paused" if self.paused else "serving" if self.span else "idle"
 
     def rebench(self) -> bool:
         """Measure the device again in the background and publish the new figures (False: one is running)."""
@@ -269,10 +273,10 @@ class Contributor:
         with self._lock:
             if self.server is not None:  # keep what clients route over (active) and what comes next (target)
                 self.server.keep_only(target | self._my_spans(state.active))
-                self.members.update(spans=tuple(sorted(self.server.runtimes)))
+                self.members.update(spans=self.server.spans)
                 if self.span is not None and self.span not in self.server.runtimes:
                     self.span = None  # the plan moved on without it
-                    self.members.update(layers=None, state="paused" if self.paused else "idle")
+                    self.members.update(layers=None, state=self._resting_state())
             mine = next(iter(target), None)
             if mine is None or mine == self.span or mine == self._loading or self.paused or self.stopping.is_set():
                 return
@@ -297,7 +301,7 @@ class Contributor:
             self._report("load", label, error=str(e))
             with self._lock:
                 self._loading = None
-            self.members.update(state="paused" if self.paused else "serving" if self.span else "idle")
+            self.members.update(state=self._resting_state())
             return
         with self._lock:
             if self.server is None:
@@ -307,7 +311,6 @@ class Contributor:
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading, self.offload_fraction = span, None, offload_fraction
-            state = "paused" if self.paused else "serving"
-            spans = tuple(sorted(self.server.runtimes))
+            state, spans = self._resting_state(), self.server.spans
         self.members.update(layers=span, spans=spans, state=state)
         self.say(f"serving {span[0]} {span[1]}")

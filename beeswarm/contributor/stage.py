@@ -136,6 +136,11 @@ class StageServer:
             self.sessions = {k: s for k, s in self.sessions.items() if s.runtime in live}
 
     @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Every span served, in order (two while a migration is under way)."""
+        return tuple(sorted(self.runtimes))
+
+    @property
     def traffic(self) -> Traffic:
         """Steps and tokens computed; bytes as the links' codecs counted them."""
         with self._lock:
