@@ -119,6 +119,7 @@ class CoordinatorService:
         self._dirty = True
         self._last_beat = 0.0
         self._planned_members: list[str] | None = None
+        self._planned_input: tuple | None = None  # (cluster, members, term, epoch) the last planning ran on
 
     def start(self) -> None:
         self.node.subscribe(self.node.topic(TOPIC), self._on_message)
@@ -199,8 +200,16 @@ class CoordinatorService:
     async def _replan(self) -> None:
         view = {**self.members.view(), self.node.peer_id: self.members.info}
         cluster = cluster_from_members(view, self.model, self.workload)
-        if not cluster.nodes:
-            return
+        members = sorted(view)
+        given = lambda: (cluster, members, self.state.term, self.state.epoch)  # noqa: E731
+        if not cluster.nodes or given() == self._planned_input and not self._migrating():
+            return  # nothing the plan depends on changed (heartbeats also carry figures it ignores, like load)
+        try:
+            await self._plan(cluster, view, members)
+        finally:
+            self._planned_input = given()
+
+    async def _plan(self, cluster: Cluster, view: dict[str, NodeInfo], members: list[str]) -> None:
         try:
             result = await trio.to_thread.run_sync(plan, cluster)
         except PlanError as e:
@@ -210,7 +219,6 @@ class CoordinatorService:
         active, target = next_assignment(cluster, new["pipelines"], result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
         body = {"objective": new["objective"], "active": active, "target": target, "excluded": new["excluded"]}
-        members = sorted(view)
         if body["active"] == self.state.active and body["target"] == self.state.target and \
                 members == self._planned_members:
             return  # every membership change gets a new epoch, even when the assignments stay
