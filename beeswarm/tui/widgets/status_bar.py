@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
+from beeswarm.tui.widgets.units import num
+
 
 @dataclass
 class ChatFigures:
@@ -18,9 +20,6 @@ class ChatFigures:
 
 
 def render_figures(f: ChatFigures) -> str:
-    def num(value, fmt):
-        return "-" if value is None else format(value, fmt)
-
     spec = f"spec on, {num(f.accepted_per_round, '.2f')} accepted/round" if f.speculating else "spec off"
     route = "-" if f.stages is None else f"{f.stages} stages"
     return (f"{f.state} | {num(f.tokens_per_s, '.1f')} tok/s | TTFT {num(f.ttft_s, '.2f')} s | {spec} | "
