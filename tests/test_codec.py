@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from beeswarm import codec
 from beeswarm.codec import CodecError, frame
+from beeswarm.codec.policy import LayoutSpeed
 
 NUMPY = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "int32": np.int32,
          "int64": np.int64, "uint8": np.uint8}
@@ -161,15 +162,36 @@ def test_small_frame_cannot_cause_a_large_allocation():
         codec.decode(codec.encode(arr, "float32", arr.shape), max_bytes=1000)
 
 
+# Codec figures for the policy tests (bytes/s and ratio; a slowish machine), so that their decisions do
+# not depend on how fast this machine encodes: the speeds measured at start-up are not a test input.
+def bf16_speeds(planes_encode: float = 250e6, zstd_encode: float = 400e6) -> dict:
+    return {"bfloat16": {"raw": LayoutSpeed(4e9, 4e9, 1.0), "zstd": LayoutSpeed(zstd_encode, 500e6, 1.25),
+                         "planes": LayoutSpeed(planes_encode, 600e6, 1.45)}}
+
+
+SPEEDS = bf16_speeds()
+
+
 def test_policy_picks_raw_on_fast_links_and_planes_on_slow_ones():
     nbytes = 512 * 1024
-    assert codec.choose_layout(nbytes, "bfloat16", 10e9 / 8) == "raw"
-    assert codec.choose_layout(nbytes, "bfloat16", 50e6 / 8) == "planes"
-    assert codec.choose_layout(1024, "bfloat16", 1e6) == "raw"  # small frames go raw
+    # 10 Gbit/s: 0.4 ms raw against 2 ms just to encode planes; 50 Mbit/s: 84 ms raw, 61 ms as planes
+    # (2.1 ms encode + 57.9 ms transfer + 0.9 ms decode), 70 ms as zstd.
+    assert codec.choose_layout(nbytes, "bfloat16", 10e9 / 8, speeds=SPEEDS) == "raw"
+    assert codec.choose_layout(nbytes, "bfloat16", 50e6 / 8, speeds=SPEEDS) == "planes"
+    assert codec.choose_layout(1024, "bfloat16", 1e6, speeds=SPEEDS) == "raw"  # small frames go raw
+    # The cost model weighs encode time against wire time: slow planes lose to zstd, both slow lose to raw.
+    assert codec.choose_layout(nbytes, "bfloat16", 50e6 / 8, speeds=bf16_speeds(planes_encode=10e6)) == "zstd"
+    assert codec.choose_layout(nbytes, "bfloat16", 50e6 / 8, speeds=bf16_speeds(10e6, 10e6)) == "raw"
+    # No link figure: a 100 Mbit/s uplink is assumed (42 ms raw, 32 ms as planes).
+    assert codec.choose_layout(nbytes, "bfloat16", None, speeds=SPEEDS) == "planes"
+    # The module-level encode takes the same figures.
+    arr = activation("bfloat16", nbytes // 2)
+    assert codec.decode(codec.encode(arr, "bfloat16", arr.shape, link_bytes_per_s=50e6 / 8,
+                                     speeds=bf16_speeds(planes_encode=10e6))).layout == "zstd"
 
 
 def test_link_codec_counts_bytes_and_time():
-    link = codec.LinkCodec(link_bytes_per_s=50e6 / 8)
+    link = codec.LinkCodec(link_bytes_per_s=50e6 / 8, speeds=SPEEDS)
     arr = activation("bfloat16", 128 * 1024)
     for _ in range(3):
         out = link.decode(link.encode(arr, "bfloat16", arr.shape))

@@ -12,10 +12,21 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import zstandard
 
 from beeswarm.codec import planes
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from typing_extensions import Buffer
+
+    # A tensor's bytes: anything with the buffer protocol. numpy's stubs declare ndarray.__buffer__
+    # only for Python >= 3.12, so arrays are named besides Buffer while the project targets 3.11.
+    BytesLike: TypeAlias = Buffer | np.ndarray
 
 MAGIC = b"BSWF"
 VERSION = 1
@@ -56,8 +67,13 @@ class Decoded:
     layout: str
 
 
+class _Contexts(threading.local):
+    compressor: zstandard.ZstdCompressor
+    decompressor: zstandard.ZstdDecompressor
+
+
 # zstd contexts are not thread-safe (sharing one across threads crashes): one pair per thread.
-_contexts = threading.local()
+_contexts = _Contexts()
 
 
 def _compressor() -> zstandard.ZstdCompressor:
@@ -70,6 +86,11 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_contexts, "decompressor"):
         _contexts.decompressor = zstandard.ZstdDecompressor()
     return _contexts.decompressor
+
+
+def byte_view(buffer: BytesLike) -> memoryview:
+    """A memoryview of `buffer` (for an ndarray, `.data` is exactly `memoryview(array)`)."""
+    return buffer.data if isinstance(buffer, np.ndarray) else memoryview(buffer)
 
 
 def itemsize(dtype: str) -> int:
@@ -93,7 +114,7 @@ def _compress_if_worth(plane: memoryview) -> tuple[bytes | memoryview, bool]:
     return (packed, True) if len(packed) < n else (plane, False)
 
 
-def encode_layout(buffer, dtype: str, shape: tuple[int, ...], layout: str) -> bytes:
+def encode_layout(buffer: BytesLike, dtype: str, shape: tuple[int, ...], layout: str) -> bytes:
     """Encode with a fixed layout ("raw", "zstd" or "planes")."""
     size = itemsize(dtype)
     if layout not in LAYOUTS:
@@ -101,11 +122,12 @@ def encode_layout(buffer, dtype: str, shape: tuple[int, ...], layout: str) -> by
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_NDIM or any(d < 0 or d >= 2**32 for d in shape):
         raise CodecError(f"shape: {shape} is not 0..{MAX_NDIM} dims of 0..2^32-1")
-    view = memoryview(buffer)
+    view = byte_view(buffer)
     data = view.cast("B") if view.nbytes else memoryview(b"")  # cast() refuses zero-size shapes
     if data.nbytes != math.prod(shape) * size:
         raise CodecError(f"buffer: holds {data.nbytes} bytes, {dtype}{list(shape)} needs {math.prod(shape) * size}")
     rotate = False
+    stored: list[bytes | memoryview]
     if layout == "raw":
         stored, mask = [data], 0
     elif layout == "zstd":
@@ -114,7 +136,7 @@ def encode_layout(buffer, dtype: str, shape: tuple[int, ...], layout: str) -> by
         rotate = is_float(dtype)
         stored, mask = [], 0
         for i, plane in enumerate(planes.split(data, size, rotate)):
-            payload, packed = _compress_if_worth(memoryview(plane))
+            payload, packed = _compress_if_worth(plane.data)
             stored.append(payload)
             mask |= packed << i
     head = _HEAD.pack(MAGIC, VERSION, DTYPES[dtype][0], LAYOUTS[layout], len(shape), len(stored), rotate,
@@ -143,10 +165,10 @@ def _unpack_plane(payload: memoryview, packed: bool, expected: int, index: int) 
     return out
 
 
-def decode(frame, max_bytes: int = DEFAULT_MAX_BYTES) -> Decoded:
+def decode(frame: BytesLike, max_bytes: int = DEFAULT_MAX_BYTES) -> Decoded:
     """Decode a frame; any malformed, truncated, oversized or corrupted input raises `CodecError`."""
     try:
-        view = memoryview(frame).cast("B")
+        view = byte_view(frame).cast("B")
     except TypeError:
         raise CodecError(f"frame: expected bytes, got {type(frame).__name__}") from None
     if len(view) < _HEAD.size:
@@ -185,11 +207,12 @@ def decode(frame, max_bytes: int = DEFAULT_MAX_BYTES) -> Decoded:
         raise CodecError(f"payload: {kind}: plane lengths sum to {sum(lengths)}, "
                          f"{len(view) - dims_end} bytes follow the header")
     expected = nbytes // want_planes
-    stored, offset = [], dims_end
+    stored: list[bytes | memoryview] = []
+    offset = dims_end
     for i, length in enumerate(lengths):
         stored.append(_unpack_plane(view[offset:offset + length], bool(mask >> i & 1), expected, i))
         offset += length
-    data = memoryview(planes.merge(stored, size, bool(rotate))) if layout == "planes" else memoryview(stored[0])
+    data = planes.merge(stored, size, bool(rotate)).data if layout == "planes" else memoryview(stored[0])
     if zlib.crc32(data) != crc:
         raise CodecError("checksum: crc32 of the decoded bytes does not match")
     return Decoded(data=data, dtype=dtype, shape=shape, layout=layout)

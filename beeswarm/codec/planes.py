@@ -8,12 +8,16 @@ transpose is 4x slower).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import numpy.typing as npt
 
-_UINT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_UINT: dict[int, np.dtype[np.unsignedinteger]] = {
+    1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
-def split(data: memoryview, itemsize: int, rotate: bool) -> list[np.ndarray]:
+def split(data: memoryview, itemsize: int, rotate: bool) -> list[npt.NDArray[np.uint8]]:
     """itemsize uint8 arrays: plane i holds byte i (least significant first) of every element."""
     words = np.frombuffer(data, dtype=_UINT[itemsize])
     if rotate:
@@ -22,7 +26,7 @@ def split(data: memoryview, itemsize: int, rotate: bool) -> list[np.ndarray]:
     return [(words >> (8 * i)).astype(np.uint8) if i else words.astype(np.uint8) for i in range(itemsize)]
 
 
-def merge(planes: list, itemsize: int, rotate: bool) -> np.ndarray:
+def merge(planes: Sequence[bytes | memoryview], itemsize: int, rotate: bool) -> npt.NDArray[np.uint8]:
     """Inverse of `split`: a flat uint8 array of the original element bytes."""
     kind = _UINT[itemsize]
     words = np.frombuffer(planes[0], dtype=np.uint8).astype(kind)
