@@ -36,7 +36,7 @@ def test_bench_measures_caches_and_feeds_the_planner(tiny_llama, tmp_path):
         "entry": {"rtt_ms": {"me": 1}, "up_mbps": 100, "down_mbps": 100},
         "nodes": [{"id": "me", "up_mbps": 100, "down_mbps": 100, "host_mem_bytes": figures["host_mem_bytes"],
                    **{k: figures[k] for k in ("mem_bytes", "layer_ms_base", "layer_ms_per_token", "offload_gbps")}}]})
-    assert plan(cluster).pipelines[0].stages[0].end == 8
+    assert plan(cluster).pipelines[0].stages[0].span.end == 8
 
 
 def test_bench_errors_are_clear(tiny_llama, tmp_path):

@@ -8,7 +8,7 @@ _EXPORTS = {
     "EntryModel": "beeswarm.shard.entry",
     "SessionError": "beeswarm.shard.errors",
     "ShardError": "beeswarm.shard.errors",
-    "Span": "beeswarm.shard.span",
+    "Span": "beeswarm.protocol.spans",
     "SpanRuntime": "beeswarm.shard.span",
     "StepInput": "beeswarm.shard.span",
 }

@@ -10,18 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import psutil
 import torch
 
 from beeswarm.config import cache_dir
 from beeswarm.shard import checkpoint
 from beeswarm.shard.device import resolve_device, resolve_dtype
-from beeswarm.shard.families import family
+from beeswarm.shard.families import family, kv_bytes_per_token_layer
 from beeswarm.shard.loader import load_config
 
 log = logging.getLogger(__name__)
@@ -53,20 +53,9 @@ def layer_bytes(config, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in layer.parameters()) * element
 
 
-def kv_bytes_per_token_layer(config, dtype: torch.dtype) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 def host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Host memory available to new allocations without swapping."""
+    return psutil.virtual_memory().available
 
 
 def _sync(device: torch.device) -> None:

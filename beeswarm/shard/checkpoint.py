@@ -156,7 +156,9 @@ def _download(repo: str, parts: Parts, revision: str | None, on_bytes: OnBytes |
         except (HfHubHTTPError, OSError) as e:
             raise ShardError(f"could not download {name} of {repo!r}: {e}") from None
 
-    folder = fetch("config.json").parent
+    config = fetch("config.json")
+    assert config is not None, "a required file is downloaded or fetch raises"
+    folder = config.parent
     for name in TOKENIZER_FILES:
         fetch(name, required=False)
     index = fetch(INDEX, required=False)

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from beeswarm import codec
 from beeswarm.shard.errors import ShardError
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The one torch name <-> dtype table: every dtype a codec frame carries, under the codec's name for it.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in codec.DTYPES}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+# The dtypes a model may run in.
+DTYPES = {name: TORCH_DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

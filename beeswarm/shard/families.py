@@ -34,3 +34,13 @@ def sliding_window(config, layer: int) -> int | None:
     if types is not None:
         return config.sliding_window if types[layer] == "sliding_attention" else None
     return getattr(config, "sliding_window", None)
+
+
+def head_dim(config) -> int:
+    """Width of one attention head: the config's `head_dim` when it sets one, else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_bytes_per_token_layer(config, dtype) -> int:
+    """Bytes the keys and values of one token take in one layer's cache, stored in torch `dtype`."""
+    return 2 * config.num_key_value_heads * head_dim(config) * dtype.itemsize

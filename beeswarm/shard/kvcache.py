@@ -23,10 +23,6 @@ class SessionKV:
     def max_length(self) -> int:
         return self.keys.shape[2]
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
     def keep(self, start: int, indices: list[int]) -> None:
         """Compact to positions `start + indices` (the accepted tree path) moved to `start, start+1, ...`."""
         src = torch.tensor([start + i for i in indices], device=self.keys.device)
@@ -45,12 +41,12 @@ class StepCache:
 
     def __init__(self, sessions: list[SessionKV], starts: list[int], lengths: list[int], first_layer: int):
         self.sessions, self.starts, self.lengths, self.first_layer = sessions, starts, lengths, first_layer
-        self.ends = [s + n for s, n in zip(starts, lengths)]
+        self.ends = [s + n for s, n in zip(starts, lengths, strict=True)]
         self.kv_length = max(self.ends)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, **_) -> tuple:
         local = layer_idx - self.first_layer
-        for row, (kv, start, n) in enumerate(zip(self.sessions, self.starts, self.lengths)):
+        for row, (kv, start, n) in enumerate(zip(self.sessions, self.starts, self.lengths, strict=True)):
             kv.keys[local, :, start:start + n] = key_states[row, :, :n]
             kv.values[local, :, start:start + n] = value_states[row, :, :n]
         if len(self.sessions) == 1:
@@ -59,7 +55,7 @@ class StepCache:
         shape = (len(self.sessions), key_states.shape[1], self.kv_length, key_states.shape[3])
         keys = key_states.new_zeros(shape)
         values = value_states.new_zeros(shape)
-        for row, (kv, end) in enumerate(zip(self.sessions, self.ends)):
+        for row, (kv, end) in enumerate(zip(self.sessions, self.ends, strict=True)):
             keys[row, :, :end] = kv.keys[local, :, :end]
             values[row, :, :end] = kv.values[local, :, :end]
         return keys, values

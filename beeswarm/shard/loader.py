@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -26,7 +27,10 @@ def load_config(folder: Path):
     return config
 
 
-def _materialize(module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], dtype, device) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def _materialize(module: ModuleT, prefix: str, tensors: dict[str, torch.Tensor], dtype, device) -> ModuleT:
     state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
     module.load_state_dict(state, strict=True, assign=True)
     return module.to(device=device, dtype=dtype).eval().requires_grad_(False)

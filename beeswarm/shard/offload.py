@@ -35,21 +35,23 @@ class OffloadedLayers:
     def _load(self, j: int, buffer: nn.Module) -> None:
         src = self.host[j]
         with torch.cuda.stream(self.stream) if self.cuda else _nothing():
-            for dst, p in zip(buffer.parameters(), src.parameters()):
+            for dst, p in zip(buffer.parameters(), src.parameters(), strict=True):
                 dst.data.copy_(p.data, non_blocking=self.cuda)
-        buffer.self_attn.layer_idx = src.self_attn.layer_idx  # the KV cache is indexed by it
+        # the KV cache is indexed by it
+        buffer.get_submodule("self_attn").layer_idx = src.get_submodule("self_attn").layer_idx
 
     def layers(self) -> Iterator[nn.Module]:
         """Device modules holding each offloaded layer's weights in turn (valid until the next one)."""
         if not self.host:
             return
+        side = self.stream  # set exactly when the device is cuda (and there are layers)
         self._load(0, self.buffers[0])
         for j in range(len(self.host)):
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)  # layer j's weights are in
+            if side is not None:
+                torch.cuda.current_stream(self.device).wait_stream(side)  # layer j's weights are in
             if j + 1 < len(self.host):
-                if self.cuda:
-                    self.stream.wait_stream(torch.cuda.current_stream(self.device))  # layer j-1 is done with it
+                if side is not None:
+                    side.wait_stream(torch.cuda.current_stream(self.device))  # layer j-1 is done with it
                 self._load(j + 1, self.buffers[(j + 1) % 2])
             yield self.buffers[j % 2]
 

@@ -10,30 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from beeswarm.protocol.spans import Span
 from beeswarm.shard import checkpoint, loader
 from beeswarm.shard.device import resolve_device, resolve_dtype
 from beeswarm.shard.errors import SessionError, ShardError
-from beeswarm.shard.families import family, sliding_window
+from beeswarm.shard.families import family, head_dim, kv_bytes_per_token_layer, sliding_window
 from beeswarm.shard.kvcache import SessionKV, StepCache
 from beeswarm.shard.offload import OffloadedLayers
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Span:
-    """Layers [start, end) of a model (half-open)."""
-
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end:
-            raise ShardError(f"span [{self.start}, {self.end}) is empty or negative")
-
-    def __len__(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -56,7 +43,9 @@ class StepInput:
     @property
     def window_start(self) -> int:
         """The first position the tree mask covers; everything before it is visible to every row."""
-        return self.start if self.tree_mask is None else self.start - (self.tree_mask.shape[1] - self.tree_mask.shape[0])
+        if self.tree_mask is None:
+            return self.start
+        return self.start - (self.tree_mask.shape[1] - self.tree_mask.shape[0])
 
     def positions(self, device) -> torch.Tensor:
         if self.tree_mask is None:
@@ -106,13 +95,15 @@ class SpanRuntime:
         offloaded = math.ceil(offload_fraction * len(span))
         resident_end = span.end - offloaded
         resident = resident_end - span.start
-        self.layers = loader.build_layers(self.folder, self.config, span.start, resident_end, self.dtype,
-                                          self.device, lambda n: on_layer(n, len(span))) if resident else []
-        host = loader.build_layers(self.folder, self.config, resident_end, span.end, self.dtype, torch.device("cpu"),
-                                   lambda n: on_layer(resident + n, len(span))) if offloaded else []
+        self.layers: nn.ModuleList | list[nn.Module] = loader.build_layers(
+            self.folder, self.config, span.start, resident_end, self.dtype, self.device,
+            lambda n: on_layer(n, len(span))) if resident else []
+        host: nn.ModuleList | list[nn.Module] = loader.build_layers(
+            self.folder, self.config, resident_end, span.end, self.dtype, torch.device("cpu"),
+            lambda n: on_layer(resident + n, len(span))) if offloaded else []
         self.offloaded = OffloadedLayers(list(host), self.device)
         self.rotary = family(self.config).rotary_embedding(self.config).to(self.device)
-        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.head_dim = head_dim(self.config)
         self.windows = [sliding_window(self.config, i) for i in range(span.start, span.end)]
         self.sessions: dict[str, SessionKV] = {}
         self._lock = threading.Lock()
@@ -130,8 +121,7 @@ class SpanRuntime:
         return self.config.hidden_size
 
     def kv_bytes(self, max_length: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.span) * self.config.num_key_value_heads * max_length * self.head_dim * element
+        return len(self.span) * max_length * kv_bytes_per_token_layer(self.config, self.dtype)
 
     # sessions -------------------------------------------------------------------------------------
     def open(self, session_id: str, max_length: int) -> None:
@@ -145,7 +135,8 @@ class SpanRuntime:
                 kv = SessionKV.allocate(len(self.span), self.config.num_key_value_heads, max_length, self.head_dim,
                                         self.dtype, self.device)
             except (RuntimeError, MemoryError) as e:  # torch raises OutOfMemoryError (a RuntimeError)
-                raise SessionError(f"no memory for a session of {max_length} tokens ({self.kv_bytes(max_length)} bytes)") from e
+                raise SessionError(f"no memory for a session of {max_length} tokens "
+                                   f"({self.kv_bytes(max_length)} bytes)") from e
             self.sessions[session_id] = kv
 
     def close(self, session_id: str) -> None:
@@ -195,7 +186,7 @@ class SpanRuntime:
             raise SessionError("a session appears twice in one step")
         with self._lock:
             sessions = [self._session(x.session_id) for x in inputs]
-            for x, kv in zip(inputs, sessions):
+            for x, kv in zip(inputs, sessions, strict=True):
                 self._check(x, kv)
             return self._run(inputs, sessions)
 
@@ -212,14 +203,14 @@ class SpanRuntime:
             q = lengths[row]
             hidden[row, :q] = x.hidden.to(device=self.device, dtype=self.dtype)
             positions[row, :q] = x.positions(self.device)
-        for kv, x in zip(sessions, inputs):
+        for kv, x in zip(sessions, inputs, strict=True):
             kv.length = x.start  # rollback: whatever lay past start is overwritten
         cache = StepCache(sessions, [x.start for x in inputs], lengths, self.span.start)
         masks = {w: attention_mask(inputs, cache.kv_length, w, self.dtype, self.device) for w in set(self.windows)}
         rotary = self.rotary(hidden, positions)
-        for layer, window in zip(itertools.chain(self.layers, self.offloaded.layers()), self.windows):
+        for layer, window in zip(itertools.chain(self.layers, self.offloaded.layers()), self.windows, strict=True):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions, cache=cache,
                            position_embeddings=rotary)
-        for kv, end in zip(sessions, cache.ends):
+        for kv, end in zip(sessions, cache.ends, strict=True):
             kv.length = end
         return [hidden[row, :q] for row, q in enumerate(lengths)]

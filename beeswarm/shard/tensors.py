@@ -4,20 +4,19 @@ from __future__ import annotations
 import torch
 
 from beeswarm import codec
+from beeswarm.protocol import ProtocolError
+from beeswarm.shard.device import DTYPE_NAMES, TORCH_DTYPES
 
-_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
-          "int64": torch.int64, "uint8": torch.uint8}
-_NAMES = {v: k for k, v in _TORCH.items()}
 # numpy has no bfloat16: move its bits as int16
 _CARRIER = {torch.bfloat16: torch.int16}
 
 
 def encode(tensor: torch.Tensor, link: codec.LinkCodec | None = None, layout: str = "auto") -> bytes:
-    if tensor.dtype not in _NAMES:
+    if tensor.dtype not in DTYPE_NAMES:
         raise codec.CodecError(f"dtype: {tensor.dtype} has no wire form")
     t = tensor.detach().to("cpu").contiguous()
     buf = t.view(_CARRIER.get(t.dtype, t.dtype)).numpy()
-    name, shape = _NAMES[tensor.dtype], tuple(t.shape)
+    name, shape = DTYPE_NAMES[tensor.dtype], tuple(t.shape)
     if link is not None:
         return link.encode(buf, name, shape, layout)
     return codec.encode(buf, name, shape, layout=layout)
@@ -25,7 +24,22 @@ def encode(tensor: torch.Tensor, link: codec.LinkCodec | None = None, layout: st
 
 def decode(frame: bytes, link: codec.LinkCodec | None = None, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> torch.Tensor:
     out = link.decode(frame) if link is not None else codec.decode(frame, max_bytes=max_bytes)
-    dtype = _TORCH[out.dtype]
+    dtype = TORCH_DTYPES[out.dtype]
     carrier = _CARRIER.get(dtype, dtype)
     flat = torch.frombuffer(bytearray(out.data), dtype=carrier) if len(out.data) else torch.empty(0, dtype=carrier)
     return flat.view(dtype).reshape(out.shape)
+
+
+def encode_mask(mask: torch.Tensor | None) -> bytes | None:
+    """A tree mask as a raw uint8 frame (None: no mask)."""
+    return None if mask is None else encode(mask.to(torch.uint8), layout="raw")
+
+
+def decode_mask(data: bytes | None, q: int) -> torch.Tensor | None:
+    """The (q, q) bool tree mask of a step of q tokens; raises ProtocolError on anything else."""
+    if data is None:
+        return None
+    mask = decode(data, max_bytes=q * q)
+    if mask.dtype != torch.uint8 or tuple(mask.shape) != (q, q):
+        raise ProtocolError(f"tree mask must be uint8 ({q}, {q})")
+    return mask.bool()

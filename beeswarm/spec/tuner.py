@@ -11,6 +11,7 @@ Pure: no torch, no networking.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 MAX_DEPTH = 32
@@ -49,10 +50,6 @@ class TreeShape:
     def nodes(self) -> int:
         """Nodes the tree may have: the full tree, capped at max_nodes."""
         return min(self.full_nodes, self.max_nodes)
-
-    @classmethod
-    def chain(cls, depth: int) -> TreeShape:
-        return cls((1,) * depth)
 
 
 @dataclass
@@ -134,7 +131,8 @@ def rate(shape: TreeShape, stats: AcceptanceStats, costs: RoundCosts, hits: list
     return expected_tokens(shape, stats, hits) / round_seconds(shape, costs)
 
 
-def candidate_shapes(depth: int | None = None, width: int | None = None, max_nodes: int = MAX_TREE_NODES):
+def candidate_shapes(depth: int | None = None, width: int | None = None,
+                     max_nodes: int = MAX_TREE_NODES) -> Iterator[TreeShape]:
     """Shapes the tuner considers: width w for the first j depths, then a chain (full trees grow fast)."""
     for k in [depth] if depth else range(1, MAX_DEPTH + 1):
         widths = [width] if width else range(1, MAX_WIDTH + 1)
