@@ -11,14 +11,20 @@ PYTEST_ARGS ?=
 
 BUNDLE := dist/beeswarm/beeswarm
 
-.PHONY: demo test install bundle
+.PHONY: demo test check install bundle
 
 demo: $(STAMP)
 	$(VENV)/bin/beeswarm demo $(ARGS)
 
+# Lint, types (strict on the pure cores) and the import layers (arrows point down): pyproject.toml.
+check: $(STAMP)
+	$(VENV)/bin/ruff check beeswarm tests benchmarks scripts
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
+
 # The bundle's smoke tests (tests/test_bundle.py) run the binary built here (rebuilt when sources
 # change). The build (~3-4 min, one process) runs beside the rest of the suite, then its tests run.
-test: $(STAMP)
+test: $(STAMP) check
 	@mkdir -p build
 	@($(MAKE) --no-print-directory $(BUNDLE) > build/bundle.log 2>&1; echo $$? > build/bundle.rc) & \
 	$(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/test_bundle.py; suite=$$?; wait; \

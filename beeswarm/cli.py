@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 import beeswarm
 
@@ -62,7 +63,7 @@ def _speculation(args, entry):
 
 
 def _sampling(args):
-    from beeswarm.client.sampling import SamplingParams
+    from beeswarm.decoding.sampling import SamplingParams
 
     try:
         return SamplingParams(0.0 if args.greedy else args.temperature, 1.0 if args.greedy else args.top_p, args.seed)
@@ -92,8 +93,8 @@ def cmd_demo(args) -> int:
               f"(logs in {swarm.state_dir})...", file=sys.stderr, flush=True)
         bootstrap = swarm.start()
         swarm.wait_ready()
-        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"], draft=draft,
-                             tuner=tuner)
+        client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"],
+                                    draft=draft, tuner=tuner).start()
         if args.prompt is not None:
             return _run_chat(client, entry, args, params)
         return _chat_app(client, entry, args, params, side_panel=True)
@@ -125,17 +126,18 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
         return 0
-    print(f"objective: {result.objective}   solved in {result.solve_ms:.1f} ms ({'exact' if result.exact else 'heuristic'})")
+    how = "exact" if result.exact else "heuristic"
+    print(f"objective: {result.objective}   solved in {result.solve_ms:.1f} ms ({how})")
     for i, p in enumerate(result.pipelines):
         print(f"\npipeline {i + 1}: {p.micro_batches} micro-batch(es), step {p.step_ms:.2f} ms, "
               f"{p.tokens_per_s:.2f} tokens/s")
         print(f"  {'node':24} {'layers':>12} {'offload':>8}")
         for s in p.stages:
-            print(f"  {s.node:24} {f'[{s.start}, {s.end})':>12} {s.offload_fraction:>7.0%}")
+            print(f"  {s.node:24} {str(s.span):>12} {s.offload_fraction:>7.0%}")
     if len(result.pipelines) > 1:
         print(f"\ntotal: {result.tokens_per_s:.2f} tokens/s")
-    for node, reason in result.excluded:
-        print(f"left out: {node}: {reason}")
+    for left_out in result.excluded:
+        print(f"left out: {left_out.node}: {left_out.reason}")
     return 0
 
 
@@ -159,9 +161,9 @@ def cmd_contribute(args) -> int:
     """Join (or start) a swarm and serve the layers the coordinator assigns."""
     import signal
 
-    from beeswarm.client.descriptor import DescriptorError, resolve_join
     from beeswarm.contributor.process import Contributor, ContributorOptions
     from beeswarm.p2p import identity
+    from beeswarm.p2p.descriptor import DescriptorError, resolve_join
 
     try:
         bootstrap, descriptor = resolve_join(args.join)
@@ -177,8 +179,11 @@ def cmd_contribute(args) -> int:
         from beeswarm.shard import checkpoint
 
         checkpoint.resolve_config(model)
-    say = logging.getLogger("beeswarm").info if dashboard else lambda line: print(line, flush=True)
-    contributor = Contributor(identity.load_or_create(), options, say=say)
+    if dashboard:
+        say = lambda event: logging.getLogger("beeswarm").info("%s", event.text)  # noqa: E731
+    else:
+        say = lambda event: print(event.json() if args.json_events else event.text, flush=True)  # noqa: E731
+    contributor = Contributor.create(identity.load_or_create(), options, say=say)
     signal.signal(signal.SIGTERM, lambda *_: contributor.stop())  # leave gracefully, as Ctrl-C or `q` does
     if dashboard:
         return _dashboard(contributor)
@@ -223,15 +228,21 @@ def cmd_swarm(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+    def say(text: str, event: str, **fields: object) -> None:
+        print(json.dumps({"event": event, **fields}) if args.json else text, flush=True)
+
     try:
         bootstrap = swarm.start()
-        print(f"bootstrap {bootstrap}", flush=True)
-        print(f"descriptor {swarm.write_descriptor(bootstrap)}", flush=True)
+        say(f"bootstrap {bootstrap}", "bootstrap", addr=bootstrap)
+        path = swarm.write_descriptor(bootstrap)
+        say(f"descriptor {path}", "descriptor", path=str(path))
         swarm.wait_ready()
         for c in swarm.children:
-            print(f"contributor {c.index} pid {c.process.pid} peer {c.peer} layers [{c.span[0]}, {c.span[1]})",
-                  flush=True)
-        print("ready", flush=True)
+            assert c.span is not None  # wait_ready saw every span
+            say(f"contributor {c.index} pid {c.process.pid} peer {c.peer} layers {c.span}", "contributor",
+                index=c.index, pid=c.process.pid, peer=c.peer, start=c.span.start, end=c.span.end)
+        say("ready", "ready")
         while not stop.wait(0.5):
             if any(c.process.poll() is not None for c in swarm.children):
                 log.warning("a contributor exited; the swarm re-plans around it")
@@ -264,7 +275,7 @@ def _encode_prompt(entry, args):
     return tokenizer, ids
 
 
-NO_SPEC = {"rounds": None, "accepted_per_round": None, "acceptance_by_depth": [], "spec": None}
+NO_SPEC: dict[str, Any] = {"rounds": None, "accepted_per_round": None, "acceptance_by_depth": [], "spec": None}
 
 
 def _run_chat(client, entry, args, params) -> int:
@@ -287,7 +298,7 @@ def _run_chat(client, entry, args, params) -> int:
         print(json.dumps({"text": stream.text, "tokens": g.tokens, "new_tokens": len(g.tokens),
                           "seconds": round(g.seconds, 4), "tokens_per_s": round(g.tokens_per_s, 2),
                           "ttft_s": round(g.ttft_s, 4),
-                          "route": [{"peer": h.peer, "start": h.start, "end": h.end} for h in out.route],
+                          "route": [{"peer": s.node, "start": s.span.start, "end": s.span.end} for s in out.route],
                           "recoveries": out.recoveries, "wire_bytes": out.wire_bytes, "raw_bytes": out.raw_bytes,
                           **(out.spec.as_json() if out.spec else NO_SPEC)}))
     else:
@@ -297,8 +308,8 @@ def _run_chat(client, entry, args, params) -> int:
 
 def cmd_chat(args) -> int:
     """Generate through a swarm: this machine holds the embedding, head and sampler."""
-    from beeswarm.client.descriptor import DescriptorError, resolve_join
-    from beeswarm.client.swarm import SwarmClient
+    from beeswarm.client.swarm import ClientOptions, SwarmClient
+    from beeswarm.p2p.descriptor import DescriptorError, resolve_join
 
     if args.prompt is None and not _interactive():
         raise UserError("give --prompt TEXT (the chat app needs a terminal)")
@@ -312,9 +323,9 @@ def cmd_chat(args) -> int:
         args.model = descriptor.model if descriptor else "tinycode"
     params, entry = _chat_common(args)
     draft, tuner = _speculation(args, entry)
-    client = SwarmClient(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
-                         mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches,
-                         draft=draft, tuner=tuner)
+    options = ClientOptions(mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches)
+    client = SwarmClient.create(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
+                                options=options, draft=draft, tuner=tuner).start()
     try:
         if args.prompt is None:
             return _chat_app(client, entry, args, params)
@@ -336,7 +347,7 @@ def _chat_app(client, entry, args, params, side_panel: bool = False) -> int:
 
     session = ChatSession(client, AutoTokenizer.from_pretrained(str(entry.folder)), params, args.max_new_tokens)
     app = ChatApp(session, swarm_rows=session.swarm_rows if side_panel else None,
-                  ring_ms=lambda: session.ring_ms(app.last_reply.route if app.last_reply else []))
+                  ring_ms=lambda: session.ring_ms(app.last_reply.route if app.last_reply else ()))
     app.run()
     return 0
 
@@ -402,14 +413,15 @@ def cmd_identity(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="beeswarm", description="Run one large language model across volunteer machines.")
+    parser = argparse.ArgumentParser(prog="beeswarm",
+                                     description="Run one large language model across volunteer machines.")
     parser.add_argument("--version", action="version", version=f"beeswarm {beeswarm.__version__}")
     parser.add_argument("--log-level", default=os.environ.get("BEESWARM_LOG_LEVEL", "WARNING"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log detail on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    demo = sub.add_parser("demo", help="generate text with the whole model on this machine")
+    demo = sub.add_parser("demo", help="start a local swarm of 3 contributor processes and generate through it")
     demo.add_argument("--model", default="tinycode", help="built-in name, checkpoint folder or hub id (org/name)")
     demo.add_argument("--prompt", default=None, help="generate once for TEXT (default: the chat app)")
     _add_sampling(demo)
@@ -425,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--base-port", type=int, default=0, metavar="P", help="listen on P, P+1, ... (default: any)")
     swarm.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     swarm.add_argument("--heartbeat", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
+    swarm.add_argument("--json", action="store_true", help="print each line as a JSON object (for scripts)")
     swarm.set_defaults(func=cmd_swarm)
 
     chat = sub.add_parser("chat", help="generate text through a swarm")
@@ -452,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     contrib = sub.add_parser("contribute", help="serve layers of the swarm's model with this machine")
     contrib.add_argument("--headless", action="store_true",
                          help="log to stderr, no dashboard (chosen by itself without a terminal)")
+    contrib.add_argument("--json-events", action="store_true",
+                         help="headless: print events (peer, addr, serving, ...) as one JSON object a line")
     contrib.add_argument("--model", default=None, help="built-in name, folder or hub id (default: the swarm's)")
     contrib.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL",
                          help="a peer's multiaddr or a swarm descriptor URL (none: start a new swarm)")

@@ -10,12 +10,12 @@ import os
 import socket
 import time
 
-from linkemu import EmulatorProcess
-
-from beeswarm.client.sampling import SamplingParams
-from beeswarm.client.swarm import SwarmClient
+from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.local import LocalSwarm
-from beeswarm.shard import EntryModel
+from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.shard import EntryModel, checkpoint
+from beeswarm.shard.loader import load_config
+from linkemu import EmulatorProcess
 
 
 def free_ports(n: int) -> list[int]:
@@ -60,10 +60,15 @@ class EmulatedSwarm:
         self.swarm.wait_ready(timeout=300)
         return self
 
-    def client(self, **kwargs) -> SwarmClient:
+    def vocab_size(self) -> int:
+        return int(load_config(checkpoint.resolve_config(self.model)).vocab_size)
+
+    def client(self, options: ClientOptions | None = None, **kwargs) -> SwarmClient:
         entry = EntryModel.load(self.model, "float32", "cpu")
-        client = SwarmClient(entry, [self.bootstrap], interval=1.0, listen=[f"/ip4/127.0.0.1/tcp/{self.real[-1]}"],
-                             announce=[f"/ip4/127.0.0.1/tcp/{self.proxy[-1]}"], **kwargs)
+        client = SwarmClient.create(entry, [self.bootstrap], interval=1.0,
+                                    listen=[f"/ip4/127.0.0.1/tcp/{self.real[-1]}"],
+                                    announce=[f"/ip4/127.0.0.1/tcp/{self.proxy[-1]}"], options=options,
+                                    **kwargs).start()
         self.settle(client)
         return client
 

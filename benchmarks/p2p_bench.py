@@ -12,10 +12,16 @@ import json
 import statistics
 import time
 
-from beeswarm.p2p import identity, wire
+from beeswarm.p2p import identity
 from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import Decoder, Message
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class Payload(Message, frozen=True, tag="payload"):
+    data: bytes = b""
 
 
 def main() -> None:
@@ -29,16 +35,16 @@ def main() -> None:
     client = Node(identity.ephemeral(), NodeConfig(listen=LOCAL)).start()
     try:
         payload = b"x" * 32 * 1024
-        async def echo(peer: str, msg: dict) -> dict:  # async: runs in the node's loop, no thread hop
+        async def echo(peer: str, msg: Payload) -> Payload:  # async: runs in the node's loop, no thread hop
             return msg
 
-        server.serve("/bench/echo/1", echo, limit=64 * 1024)
+        server.serve("/bench/echo/1", echo, Decoder(Payload))
         client.connect(server.addrs[0])
-        request = wire.message("echo", payload=payload)
+        request, replies = Payload(data=payload), reply_decoder(Payload)
         rtts = []
         for _ in range(args.rounds):
             t = time.perf_counter()
-            client.request(server.peer_id, "/bench/echo/1", request, limit=64 * 1024)
+            client.request(server.peer_id, "/bench/echo/1", request, replies)
             rtts.append((time.perf_counter() - t) * 1e3)
 
         inbox = []

@@ -26,8 +26,10 @@ def swarm(rng: random.Random, n: int, layers: int, objective: str) -> dict:
     for i in ids:
         gpu = rng.random() < 0.7
         nodes.append({
-            "id": i, "mem_bytes": int(rng.choice([8, 12, 16, 24, 48, 80]) * GiB) if gpu else int(rng.uniform(4, 32) * GiB),
-            "host_mem_bytes": int(rng.choice([16, 32, 64]) * GiB), "offload_gbps": rng.choice([12.0, 25.0]) if gpu else None,
+            "id": i,
+            "mem_bytes": int(rng.choice([8, 12, 16, 24, 48, 80]) * GiB) if gpu else int(rng.uniform(4, 32) * GiB),
+            "host_mem_bytes": int(rng.choice([16, 32, 64]) * GiB),
+            "offload_gbps": rng.choice([12.0, 25.0]) if gpu else None,
             "layer_ms_base": rng.uniform(0.3, 3) if gpu else rng.uniform(20, 80),
             "layer_ms_per_token": rng.uniform(0.002, 0.05) if gpu else rng.uniform(1, 5),
             "up_mbps": rng.choice([20, 50, 100, 500, 1000]), "down_mbps": rng.choice([100, 300, 1000]),

@@ -39,7 +39,8 @@ def envs_section(data: dict) -> list[str]:
             continue
         ratio = s["batch_tokens_per_s"] / b["batch_tokens_per_s"]
         packed = s["wire_bytes"] / s["raw_bytes"] if s["raw_bytes"] else 1.0
-        lines.append(f"| {env} | {link_label(data, env)} | {b['batch_tokens_per_s']:.2f} | {s['batch_tokens_per_s']:.2f} | "
+        lines.append(f"| {env} | {link_label(data, env)} | {b['batch_tokens_per_s']:.2f} | "
+                     f"{s['batch_tokens_per_s']:.2f} | "
                      f"{ratio:.2f}x | {b['decode_tokens_per_s']:.2f} | {s['decode_tokens_per_s']:.2f} | "
                      f"{b['ttft_s']:.2f} s | {s['ttft_s']:.2f} s | {packed:.3f} |")
     lines += ["", "![batch throughput per environment](plots/throughput.png)", ""]
@@ -88,7 +89,8 @@ def plot_ring(data: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     compute = 1 / rows[0]["analytical_tokens_per_s"]  # C, measured at the 0 ms ring
     dense = [max(ring) * i / 200 for i in range(201)]
-    ax.plot(dense, [1 / (compute + t / 1000) for t in dense], "-", label=f"1 / (C + T_ring), C = {compute * 1000:.0f} ms")
+    ax.plot(dense, [1 / (compute + t / 1000) for t in dense], "-",
+            label=f"1 / (C + T_ring), C = {compute * 1000:.0f} ms")
     ax.plot(ring, [r["decode_tokens_per_s"] for r in rows], "o", label="measured")
     ax.set_xlabel("ring one-way latency (ms)")
     ax.set_ylabel("single-stream decode tokens/s")

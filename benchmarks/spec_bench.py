@@ -23,13 +23,14 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-from emulated import EmulatedSwarm  # noqa: E402
 from train_tinycode import read, stdlib_files  # noqa: E402
 
-from beeswarm.client.sampling import SamplingParams  # noqa: E402
+from beeswarm.client.swarm import ClientOptions  # noqa: E402
 from beeswarm.contributor.local import threads_per_process  # noqa: E402
+from beeswarm.decoding.sampling import SamplingParams  # noqa: E402
 from beeswarm.spec.draft import DraftModel  # noqa: E402
 from beeswarm.spec.tuner import Tuner  # noqa: E402
+from emulated import EmulatedSwarm  # noqa: E402
 
 DELAYS_S = {"s0": 0.130, "s1": 0.040, "s2": 0.110, "entry": 0.0}  # one way, into each node
 RING_S = sum(DELAYS_S.values())
@@ -59,8 +60,8 @@ def main() -> None:
     rows = {}
     try:
         emulated.start()
-        client = emulated.client(micro_batches=1)
-        client.draft = DraftModel("tinycode-draft", client.entry.config.vocab_size)
+        client = emulated.client(ClientOptions(micro_batches=1),
+                                 draft=DraftModel("tinycode-draft", emulated.vocab_size()))
         tokenizer = AutoTokenizer.from_pretrained(str(client.entry.folder))
         try:
             texts = prompts(tokenizer, args.prompts)

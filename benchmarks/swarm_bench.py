@@ -34,14 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
-from emulated import EmulatedSwarm  # noqa: E402
 
-from beeswarm.client.generate import generate
 from beeswarm.client.local import LocalPipeline
-from beeswarm.client.sampling import SamplingParams
-from beeswarm.client.swarm import SwarmClient
+from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.local import LocalSwarm, threads_per_process
+from beeswarm.decoding.generate import generate
+from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel
+from emulated import EmulatedSwarm  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -80,15 +80,15 @@ def loopback(args) -> dict:
         swarm.wait_ready()
         entry = EntryModel.load(args.model, "float32", "cpu")
         for mode in ("push", "hops"):
-            client = SwarmClient(entry, [bootstrap], interval=1.0, mode=mode, listen=["/ip4/127.0.0.1/tcp/0"],
-                                 micro_batches=1)
+            client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"],
+                                        options=ClientOptions(mode=mode, micro_batches=1)).start()
             try:
                 client.generate(prompt, 4, greedy)  # warm up channels and codec calibration
                 rate = statistics.median(decode_rate(client.generate(prompt, DECODE_TOKENS, greedy).generation)
                                          for _ in range(args.repeat))
                 ttft = statistics.median(client.generate(long_prompt, 1, greedy).generation.ttft_s
                                          for _ in range(args.repeat))
-                client.micro_batches = MICRO_BATCHES
+                client.options = ClientOptions(mode=mode, micro_batches=MICRO_BATCHES)
                 ttft_m4 = statistics.median(client.generate(long_prompt, 1, greedy).generation.ttft_s
                                             for _ in range(args.repeat)) if mode == "push" else None
             finally:
@@ -132,8 +132,7 @@ def every_link(names: list[str], delay_s: float) -> dict[str, float]:
 
 def batch_run(client, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
     """Generate for every prompt at once (one thread each): (tokens/s, wire bytes, raw bytes)."""
-    wire0 = sum(p.wire_bytes for p in client._pipes.values())
-    raw0 = sum(p.raw_bytes for p in client._pipes.values())
+    wire0, raw0 = client.traffic
     done: list[int] = []
     t0 = time.perf_counter()
     threads = [threading.Thread(target=lambda ids=ids: done.append(
@@ -143,9 +142,8 @@ def batch_run(client, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
-    wire = sum(p.wire_bytes for p in client._pipes.values()) - wire0
-    raw = sum(p.raw_bytes for p in client._pipes.values()) - raw0
-    return sum(done) / seconds, wire, raw
+    wire, raw = client.traffic
+    return sum(done) / seconds, wire - wire0, raw - raw0
 
 
 def envs(args) -> list[dict]:
@@ -231,14 +229,15 @@ def main() -> None:
         (RESULTS / f"{scenario}.json").write_text(json.dumps(saved, indent=1))
     if not args.no_report and any(s != "loopback" for s in scenarios):
         report.render()
-    for scenario, result in out.items():
+    for result in out.values():
         rows = result if isinstance(result, list) else [result]
         for row in rows:
             print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()))
 
 
 def machine() -> str:
-    return f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    return (f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
 
 
 if __name__ == "__main__":

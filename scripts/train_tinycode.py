@@ -4,8 +4,9 @@
 Both models learn from the CPython standard-library sources of the running interpreter, which
 every machine has. Files whose name hashes to 0 mod 20 are held out for validation. The script is
 deterministic (fixed seeds, sorted files, one thread order) and takes about 20 minutes on 2 CPU
-cores (fixed step counts, so the weights do not depend on the machine's speed). It writes Hugging Face folders (fp16 safetensors) under beeswarm/assets/tinycode/ and
-prints the validation loss of each model and the draft's greedy agreement with the target.
+cores (fixed step counts, so the weights do not depend on the machine's speed). It writes Hugging
+Face folders (fp16 safetensors) under beeswarm/assets/tinycode/ and prints the validation loss of
+each model and the draft's greedy agreement with the target.
 
     python scripts/train_tinycode.py [--out DIR] [--target-steps 1000] [--draft-steps 1500]
 """

@@ -26,8 +26,9 @@ def mesh():
     """Start real p2p nodes on 127.0.0.1 on demand; all are stopped after the test.
 
     mesh(n, secret=None, bootstrap=None, members=True, info=None, setup=None): the nodes of one call
-    bootstrap from the first of them (one group per call) unless `bootstrap` is given; `info(peer)` makes each one's NodeInfo;
-    `setup(node)` runs before the node starts (to attach services). `node.members` is its Membership.
+    bootstrap from the first of them (one group per call) unless `bootstrap` is given; `info(peer)`
+    makes each one's NodeInfo; `setup(node)` runs before the node starts (to attach services).
+    `node.members` is its Membership.
     """
     from beeswarm.p2p import identity
     from beeswarm.p2p.membership import Membership, NodeInfo

@@ -46,12 +46,13 @@ def test_demo_runs_a_local_swarm_from_the_bundle(env):
 
 
 def test_contribute_and_chat_start_headless_and_quit_cleanly(env, tmp_path):
-    swarm = subprocess.Popen([str(BUNDLE), "swarm", "--local", "2"], stdout=subprocess.PIPE,
+    swarm = subprocess.Popen([str(BUNDLE), "swarm", "--local", "2", "--json"], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=env)
     try:
-        _, seen = read_until(lines_of(swarm), "ready", 180)
-        descriptor = next(line.split()[1] for line in seen if line.startswith("descriptor "))
-        pids = [int(line.split()[3]) for line in seen if line.startswith("contributor ")]
+        _, seen = read_until(lines_of(swarm), '{"event": "ready"', 180)
+        events = [json.loads(line) for line in seen]
+        descriptor = next(e["path"] for e in events if e["event"] == "descriptor")
+        pids = [e["pid"] for e in events if e["event"] == "contributor"]
         chat = run(env, "chat", "--join", json.load(open(descriptor))["bootstrap"][0], "--prompt", "import ",
                    "--max-new-tokens", "6", "--greedy", "--json", "--no-spec", timeout=180)
         assert chat.returncode == 0, chat.stderr[-3000:]

@@ -2,18 +2,24 @@
 from __future__ import annotations
 
 import threading
-import time
 
+import msgspec
 import pytest
 
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.service import (
-    CoordinatorService, PlanState, cluster_from_members, next_assignment, pipelines_tokens_per_s)
-from beeswarm.p2p import identity, wire
-from beeswarm.p2p.membership import NodeInfo
+    CoordinatorService,
+    cluster_from_members,
+    next_assignment,
+    pipelines_tokens_per_s,
+)
+from beeswarm.p2p import identity
 from beeswarm.p2p.probe import Prober
+from beeswarm.protocol import Decoder, ProtocolError, Span, encode
+from beeswarm.protocol.coordinator import Pipeline, PlanState, SignedPlan, Stage
+from beeswarm.protocol.membership import Heartbeat, NodeInfo
 from helpers import INTERVAL, wait_for
 
 MODEL = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
@@ -46,14 +52,12 @@ def agreed(nodes) -> bool:
 
 def test_election_failover_and_plans(contributors):
     nodes = contributors(5)
-    t0 = time.monotonic()
     wait_for(lambda: agreed(nodes), 5, "one coordinator")
-    assert time.monotonic() - t0 <= 5
     leader = next(n for n in nodes if n.coord.is_leader)
     assert leader.peer_id == min(n.peer_id for n in nodes)  # the smallest id claims first
     wait_for(lambda: all(n.coord.state.epoch >= 1 and n.coord.state.active for n in nodes), 5, "a plan everywhere")
-    spans = sorted((s["start"], s["end"]) for p in nodes[1].coord.state.active for s in p["stages"])
-    assert spans[0][0] == 0 and spans[-1][1] == MODEL.num_layers
+    spans = sorted(s.span for p in nodes[1].coord.state.active for s in p.stages)
+    assert spans[0].start == 0 and spans[-1].end == MODEL.num_layers
 
     # A membership change brings a plan with a new epoch.
     epoch = nodes[1].coord.state.epoch
@@ -62,7 +66,7 @@ def test_election_failover_and_plans(contributors):
 
     # A plan signed by someone other than the coordinator is ignored, however valid its signature.
     follower = next(n for n in nodes if not n.coord.is_leader)
-    forged = plans.SignedPlan(leader.coord.lease.term, 10_000, follower.peer_id, {"active": [], "target": []})
+    forged = PlanState(term=leader.coord.lease.term, epoch=10_000, coordinator=follower.peer_id)
     follower.publish(follower.topic("coordinator"), plans.sign(follower.identity.key_pair, forged))
     others = [n for n in nodes if n is not follower and not n.coord.is_leader]
     wait_for(lambda: all(n.coord.ignored_plans > 0 for n in others), 5, "the forged plan to be ignored")
@@ -71,10 +75,9 @@ def test_election_failover_and_plans(contributors):
     # Kill the coordinator: a new one within 3 intervals + 1 s, with a higher term.
     term = leader.coord.lease.term
     rest = [n for n in nodes + [late] if n is not leader]
-    t0 = time.monotonic()
     leader.stop()
-    wait_for(lambda: agreed(rest) and next(iter(leaders(rest))) != leader.peer_id, 3 * INTERVAL + 1, "a new coordinator")
-    assert time.monotonic() - t0 <= 3 * INTERVAL + 1
+    wait_for(lambda: agreed(rest) and next(iter(leaders(rest))) != leader.peer_id, 3 * INTERVAL + 1,
+             "a new coordinator")
     assert all(n.coord.lease.term > term for n in rest)
 
 
@@ -83,7 +86,7 @@ def test_link_probes_reach_the_coordinators_cluster(contributors):
     stop = threading.Event()
     try:
         for n in nodes:
-            Prober(n).report_links(n.members, every_s=30, bulk_bytes=256 * 1024, stop=stop)
+            Prober(n).start().report_links(n.members, every_s=30, bulk_bytes=256 * 1024, stop=stop)
         wait_for(lambda: all(len(n.members.info.links) == 2 for n in nodes), 15, "every pair probed")
         wait_for(lambda: all(len(info.links) == 2 for info in nodes[0].members.view().values()), 10,
                  "the figures to travel in heartbeats")
@@ -107,14 +110,15 @@ def test_partitions_merge_to_one_coordinator(contributors):
 
 def test_tampered_plans_are_rejected():
     me = identity.ephemeral()
-    signed = plans.sign(me.key_pair, plans.SignedPlan(1, 1, me.peer_id, {"active": []}))
+    signed = plans.sign(me.key_pair, PlanState(term=1, epoch=1, coordinator=me.peer_id))
     assert plans.verify(signed, me.peer_id).epoch == 1
-    with pytest.raises(wire.ProtocolError, match="signature"):
-        plans.verify({**signed, "body": signed["body"][:-1] + b"\x00"}, me.peer_id)
-    with pytest.raises(wire.ProtocolError, match="published by"):
+    tampered = encode(PlanState(term=1, epoch=2, coordinator=me.peer_id))  # a later epoch, the old signature
+    with pytest.raises(ProtocolError, match="signature"):
+        plans.verify(msgspec.structs.replace(signed, body=tampered), me.peer_id)
+    with pytest.raises(ProtocolError, match="published by"):
         plans.verify(signed, identity.ephemeral().peer_id)
-    with pytest.raises(wire.ProtocolError):
-        plans.verify(wire.message("plan", body=b"junk", sig=b""), me.peer_id)
+    with pytest.raises(ProtocolError):
+        plans.verify(SignedPlan(body=b"junk", sig=b""), me.peer_id)
 
 
 def test_election_state_machine_rules():
@@ -137,27 +141,27 @@ def test_replanning_keeps_a_good_enough_plan_and_migrates_make_before_break():
                         bench={"layer_ms_base": ms, "layer_ms_per_token": 0.0})
 
     def pipeline(*stages):
-        return {"stages": [{"node": n, "start": a, "end": b, "offload_fraction": 0.0} for n, a, b in stages],
-                "micro_batches": 1, "step_ms": 0, "tokens_per_s": 0}
+        return (Pipeline(stages=tuple(Stage(node=n, span=Span(a, b)) for n, a, b in stages)),)
 
-    view = {"A": info("A", (0, 8)), "B": info("B", ms=0.9)}
+    view = {"A": info("A", Span(0, 8)), "B": info("B", ms=0.9)}
     cluster = cluster_from_members(view, MODEL, Workload())
-    old = [pipeline(("A", 0, 8))]
-    state = PlanState(1, 1, old, old)
+    old = pipeline(("A", 0, 8))
+    state = PlanState(term=1, epoch=1, active=old, target=old)
     current = pipelines_tokens_per_s(cluster, old)
-    new = [pipeline(("B", 0, 8))]
+    new = pipeline(("B", 0, 8))
     # 5% better: not worth moving weights
     assert next_assignment(cluster, new, current * 1.05, state, view, 0.10) == (old, old)
     # 20% better: migrate, but keep routing over the old pipeline until B has loaded its span
     active, target = next_assignment(cluster, new, current * 1.2, state, view, 0.10)
     assert (active, target) == (old, new)
-    migrating = PlanState(1, 2, old, new)
-    view["B"] = info("B", (0, 8), ms=0.9)
+    migrating = PlanState(term=1, epoch=2, active=old, target=new)
+    view["B"] = info("B", Span(0, 8), ms=0.9)
     assert next_assignment(cluster, new, current * 1.2, migrating, view, 0.10) == (new, new)
     # the old pipeline's node is gone: switch at once
     del view["A"]
     cluster = cluster_from_members(view, MODEL, cluster.workload)
-    assert next_assignment(cluster, new, 1.0, PlanState(1, 2, old, old), view, 0.10) == (new, new)
+    assert next_assignment(cluster, new, 1.0, PlanState(term=1, epoch=2, active=old, target=old), view,
+                           0.10) == (new, new)
 
 
 def test_clients_route_over_the_active_plan_while_its_stages_load_their_next_spans():
@@ -165,17 +169,20 @@ def test_clients_route_over_the_active_plan_while_its_stages_load_their_next_spa
     serves its active one, and its heartbeat's `spans` say so; a leaving or banned stage is skipped."""
     from beeswarm.client.swarm import find_route
 
-    active = [{"stages": [{"node": "A", "start": 0, "end": 4}, {"node": "B", "start": 4, "end": 8}]}]
-    view = {"A": NodeInfo(peer="A", state="loading", layers=(0, 4), spans=((0, 4),)),
-            "B": NodeInfo(peer="B", state="serving", layers=(5, 8), spans=((4, 8), (5, 8)))}
+    a, b, b2 = Span(0, 4), Span(4, 8), Span(5, 8)
+    active = (Pipeline(stages=(Stage(node="A", span=a), Stage(node="B", span=b))),)
+    view = {"A": NodeInfo(peer="A", state="loading", layers=a, spans=(a,)),
+            "B": NodeInfo(peer="B", state="serving", layers=b2, spans=(b, b2))}
     never = lambda peer: False  # noqa: E731
-    assert [(h.peer, h.start, h.end) for h in find_route(active, view, never)] == [("A", 0, 4), ("B", 4, 8)]
-    assert find_route(active, {**view, "B": NodeInfo(peer="B", state="serving", layers=(5, 8), spans=((5, 8),))},
+    assert find_route(active, view, never) == active[0]
+    assert find_route(active, {**view, "B": NodeInfo(peer="B", state="serving", layers=b2, spans=(b2,))},
                       never) is None  # B dropped [4, 8)
-    assert find_route(active, {**view, "A": NodeInfo(peer="A", state="leaving", spans=((0, 4),))}, never) is None
+    assert find_route(active, {**view, "A": NodeInfo(peer="A", state="leaving", spans=(a,))}, never) is None
     assert find_route(active, view, lambda peer: peer == "B") is None
     # the field travels in heartbeats and is checked like the rest
-    wire_form = view["B"].to_wire()
-    assert NodeInfo.from_wire(wire_form, "B").spans == ((4, 8), (5, 8))
-    with pytest.raises(wire.ProtocolError, match="spans"):
-        NodeInfo.from_wire({**wire_form, "spans": [[1, 2, 3]]}, "B")
+    heartbeats = Decoder(Heartbeat)
+    wire_form = msgspec.msgpack.decode(encode(Heartbeat(info=view["B"])))
+    assert heartbeats.decode(msgspec.msgpack.encode(wire_form)).info.spans == (b, b2)
+    wire_form["info"]["spans"] = [[1, 2, 3]]
+    with pytest.raises(ProtocolError, match="spans"):
+        heartbeats.decode(msgspec.msgpack.encode(wire_form))

@@ -2,20 +2,29 @@
 from __future__ import annotations
 
 import threading
-import time
 
+import msgspec
 import pytest
 import torch
 
-from beeswarm.client.generate import generate
-from beeswarm.client.remote import Hop, RemotePipeline, StageFailed
-from beeswarm.client.sampling import SamplingParams
-from beeswarm.contributor.stage import STEP_PROTOCOL, StageServer
-from beeswarm.p2p import wire
+from beeswarm.client.remote import Inbox, RemotePipeline, StageFailed
+from beeswarm.contributor.stage import StageServer
+from beeswarm.decoding.generate import generate
+from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.protocol import encode, ids
+from beeswarm.protocol.coordinator import Stage
+from beeswarm.protocol.step import Keep, Step
 from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
-from helpers import reference_greedy
+from helpers import reference_greedy, wait_for
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
+
+
+def pipeline(node, entry, route, **options) -> RemotePipeline:
+    """A pipeline from `node` (its result inbox started on first use)."""
+    if not hasattr(node, "inbox"):
+        node.inbox = Inbox(node).start()
+    return RemotePipeline(node, node.inbox, entry, tuple(route), **options)
 
 
 @pytest.fixture
@@ -31,7 +40,7 @@ def chain(mesh, tiny_llama):
     for a, b in zip(stages, stages[1:]):
         a.connect(b.addrs[0])
     entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
-    route = [Hop(node.peer_id, a, b) for node, (a, b) in zip(stages, SPLITS)]
+    route = tuple(Stage(node=node.peer_id, span=Span(a, b)) for node, (a, b) in zip(stages, SPLITS))
     yield entry_node, entry, route, stages, servers
     for server in servers:
         server.stop()
@@ -40,18 +49,18 @@ def chain(mesh, tiny_llama):
 @pytest.mark.parametrize("mode", ["push", "hops"])
 def test_greedy_through_the_swarm_equals_transformers(chain, tiny_llama, mode):
     entry_node, entry, route, _, _ = chain
-    pipe = RemotePipeline(entry_node, entry, route, mode=mode)
+    pipe = pipeline(entry_node, entry, route, mode=mode)
     for prompt in ([5, 6, 7], [100, 3, 250, 17, 9, 1, 42]):
         session = pipe.open(64)
         got = generate(lambda t, s: pipe.forward(session, t, s), prompt, 16, SamplingParams())
-        pipe.close(session)
+        pipe.close_session(session)
         assert got.tokens == reference_greedy(tiny_llama, prompt, 16)
     assert pipe.wire_bytes > 0 and pipe.raw_bytes > 0
 
 
 def test_concurrent_sessions_and_compression_give_identical_tokens(chain, tiny_llama):
     entry_node, entry, route, _, servers = chain
-    slow_link = RemotePipeline(entry_node, entry, route, link_bytes_per_s=1e6)  # forces compressed frames
+    slow_link = pipeline(entry_node, entry, route, link_bytes_per_s=1e6)  # forces compressed frames
     # 40-token prompts: prefill frames of 10 KB, above the size where the policy starts compressing
     prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(8)]
     results = {}
@@ -61,7 +70,7 @@ def test_concurrent_sessions_and_compression_give_identical_tokens(chain, tiny_l
             session = slow_link.open(64)
             results[i] = generate(lambda t, s: slow_link.forward(session, t, s), prompts[i], 10,
                                   SamplingParams()).tokens
-            slow_link.close(session)
+            slow_link.close_session(session)
         except Exception as e:  # noqa: BLE001 - reported below
             results[i] = e
 
@@ -76,9 +85,9 @@ def test_concurrent_sessions_and_compression_give_identical_tokens(chain, tiny_l
     assert sum(s.traffic.steps for s in servers) >= 3 * 8 * 10
 
 
-def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_llama):
+def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_llama, mesh):
     entry_node, entry, route, stages, _ = chain
-    pipe = RemotePipeline(entry_node, entry, route)
+    pipe = pipeline(entry_node, entry, route)
     good = pipe.open(32)
     first = generate(lambda t, s: pipe.forward(good, t, s), [1, 2, 3], 4, SamplingParams()).tokens
 
@@ -90,14 +99,21 @@ def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_ll
     with pytest.raises(StageFailed, match="unknown session"):
         pipe.forward("no-such-session", torch.tensor([1]), 0)
     # wrong shape and dtype, garbage, and a frame that is not a frame, straight onto the first stage
-    channel = entry_node.open_channel(route[0].peer, STEP_PROTOCOL)
+    # Well-formed steps with wrong contents get error replies (no strike: the entry's own session).
+    channel = entry_node.open_channel(route[0].node, ids.STEP)
+    step = Step(entry=entry_node.peer_id, session=bad, step=10**6, start=0, frame=tensors.encode(torch.zeros(1, 64)))
     for frame in (tensors.encode(torch.zeros(2, 3)), tensors.encode(torch.zeros(2, 64, dtype=torch.int64)), b"junk"):
-        channel.send(wire.pack(wire.message("step", entry=entry_node.peer_id, session=bad, step=10**6, start=0,
-                                            frame=frame)))
-    channel.send(b"\xff" * 100)
-    for keep in ("garbage", [0, [99]], [0, list(range(5000))]):  # malformed, out of range, oversized
-        channel.send(wire.pack(wire.message("step", entry=entry_node.peer_id, session=bad, step=10**6, start=0,
-                                            frame=tensors.encode(torch.zeros(1, 64)), keep=keep)))
+        channel.send(encode(msgspec.structs.replace(step, frame=frame)))
+    channel.send(encode(msgspec.structs.replace(step, keep=Keep(0, (99,)))))  # a kept node out of range
+    # Malformed ones (garbage, a bad keep, an oversized keep) from another peer: struck, then banned.
+    (evil,) = mesh(1, members=False, bootstrap=[])
+    evil.connect(stages[0].addrs[0])
+    hostile = evil.open_channel(route[0].node, ids.STEP)
+    raw = msgspec.msgpack.decode(encode(step))
+    for body in (b"\xff" * 100, msgspec.msgpack.encode({**raw, "keep": "garbage"}),
+                 msgspec.msgpack.encode({**raw, "keep": [0, list(range(5000))]})):
+        hostile.send(body)
+    wait_for(lambda: stages[0].bans.is_banned(evil.peer_id), 5, "the hostile peer to be banned")
     # the good session carries on where it was
     more = generate(lambda t, s: pipe.forward(good, t, s), [1, 2, 3] + first, 4, SamplingParams()).tokens
     assert first + more == reference_greedy(tiny_llama, [1, 2, 3], 8)
@@ -105,7 +121,7 @@ def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_ll
 
 def test_micro_batched_prefill_equals_one_batch(chain, tiny_llama):
     entry_node, entry, route, _, _ = chain
-    pipe = RemotePipeline(entry_node, entry, route)
+    pipe = pipeline(entry_node, entry, route)
     prompt = torch.tensor([(13 * i) % 250 + 1 for i in range(23)])
     whole, cut = pipe.open(32), pipe.open(32)
     torch.testing.assert_close(pipe.forward(cut, prompt, 0, micro_batches=4), pipe.forward(whole, prompt, 0),
@@ -118,17 +134,21 @@ def test_micro_batched_prefill_equals_one_batch(chain, tiny_llama):
 def test_sessions_expire_when_idle_and_need_memory(mesh, tiny_llama):
     (stage_node,) = mesh(1, members=False)
     runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
-    StageServer(stage_node, runtime, idle_timeout_s=0.4, kv_budget_bytes=runtime.kv_bytes(100)).start()
+    now = [0.0]
+    server = StageServer(stage_node, runtime, idle_timeout_s=0.4, kv_budget_bytes=runtime.kv_bytes(100),
+                         clock=lambda: now[0]).start()
     (entry_node,) = mesh(1, members=False, bootstrap=[])
     entry_node.connect(stage_node.addrs[0])
-    pipe = RemotePipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"), [Hop(stage_node.peer_id, 0, 8)])
+    pipe = pipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"),
+                    [Stage(node=stage_node.peer_id, span=Span(0, 8))])
     with pytest.raises(StageFailed, match="no memory for a session of 200 tokens"):
         pipe.open(200)
     session = pipe.open(60)
     pipe.forward(session, torch.tensor([1, 2, 3]), 0)
     with pytest.raises(StageFailed, match="no memory"):
         pipe.open(60)  # 60 + 60 > 100 tokens' worth
-    time.sleep(1.0)  # idle past the timeout: the session is closed and its memory freed
+    now[0] += 1.0  # idle past the timeout: the session is closed (within a tick of the stage's loop)
+    wait_for(lambda: not server.sessions, 5, "the idle session to expire")
     with pytest.raises(StageFailed, match="unknown session"):
         pipe.forward(session, torch.tensor([4]), 3)
     pipe.open(60)
@@ -141,7 +161,8 @@ def test_concurrent_opens_share_the_memory_budget_exactly(mesh, tiny_llama):
     StageServer(stage_node, runtime, kv_budget_bytes=runtime.kv_bytes(50) * 5).start()
     (entry_node,) = mesh(1, members=False, bootstrap=[])
     entry_node.connect(stage_node.addrs[0])
-    pipe = RemotePipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"), [Hop(stage_node.peer_id, 0, 8)])
+    pipe = pipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"),
+                    [Stage(node=stage_node.peer_id, span=Span(0, 8))])
     outcomes: list[str] = []
 
     def open_one():

@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from beeswarm.client.generate import generate
-from beeswarm.client.local import LocalPipeline, even_splits
-from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.client.local import LocalPipeline
+from beeswarm.decoding.generate import generate
+from beeswarm.decoding.sampling import SamplingParams, probabilities
+from beeswarm.protocol.spans import even_splits
 from helpers import alive, in_terminal, reference_greedy, wait_for
 
 

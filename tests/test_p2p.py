@@ -11,12 +11,34 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from beeswarm.p2p import wire
 from beeswarm.p2p.node import Channel, PeerUnavailable
 from beeswarm.p2p.probe import Prober
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import Decoder, Message, RemoteError, encode
+from beeswarm.protocol.membership import Heartbeat
 from helpers import INTERVAL, wait_for
+
+
+class Ping(Message, frozen=True, tag="ping"):
+    n: int = 0
+
+
+class Echo(Message, frozen=True, tag="echo"):
+    n: int = 0
+    peer: str = ""
+
+
+PINGS, ECHOES = Decoder(Ping), reply_decoder(Echo)
+
+
+def echo(peer: str, msg: Ping) -> Echo:
+    if msg.n < 0:
+        raise KeyError("a handler bug")
+    return Echo(n=msg.n, peer=peer)
 
 @pytest.fixture
 def swarm(mesh):
@@ -27,29 +49,28 @@ def test_membership_converges_and_a_stopped_node_is_declared_gone(swarm):
     nodes = swarm(4)
     wait_for(lambda: all(len(n.members.view()) == 3 for n in nodes), 10, "membership to converge")
     left = []
-    nodes[0].members.listeners.append(lambda event, info: event == "leave" and left.append(time.monotonic()))
+    nodes[0].members.listeners.append(lambda event, info: event == "leave" and left.append(info.peer))
     victim = nodes[3]
-    t0 = time.monotonic()
     victim.stop()
     wait_for(lambda: left, 3 * INTERVAL + 1, "the stopped node to be declared gone")
-    assert left[0] - t0 <= 3 * INTERVAL + 1
+    assert left == [victim.peer_id]
     assert victim.peer_id not in nodes[0].members.view()
     assert not [t for t in threading.enumerate() if t.name == f"p2p-{victim.peer_id[-6:]}"]
 
 
 def test_request_channel_and_stop_are_prompt(swarm):
     a, b = swarm(2, members=False)
-    a.serve("/test/echo/1", lambda peer, msg: wire.message("echo", peer=peer, n=msg["n"]))
+    a.serve("/test/echo/1", echo, PINGS)
     b.connect(a.addrs[0])
-    reply = b.request(a.peer_id, "/test/echo/1", wire.message("ping", n=7))
-    assert reply == wire.message("echo", peer=b.peer_id, n=7)
-    with pytest.raises(wire.RemoteError, match="internal error"):  # handler bug (KeyError): an error reply
-        b.request(a.peer_id, "/test/echo/1", wire.message("ping"))
+    reply = b.request(a.peer_id, "/test/echo/1", Ping(n=7), ECHOES)
+    assert reply == Echo(peer=b.peer_id, n=7)
+    with pytest.raises(RemoteError, match="internal error"):  # handler bug (KeyError): an error reply
+        b.request(a.peer_id, "/test/echo/1", Ping(n=-1), ECHOES)
     t0 = time.monotonic()
     a.stop()
     assert time.monotonic() - t0 < 2.0
     with pytest.raises((PeerUnavailable, TimeoutError)):
-        b.request(a.peer_id, "/test/echo/1", wire.message("ping", n=1), timeout=3)
+        b.request(a.peer_id, "/test/echo/1", Ping(n=1), ECHOES, timeout=3)
 
 
 def test_slow_reader_does_not_get_its_stream_reset(swarm):
@@ -78,9 +99,9 @@ def test_private_swarm_admits_only_peers_with_the_secret(swarm):
     secret = b"correct horse battery staple"
     insiders = swarm(2, secret=secret)
     for n in insiders:
-        n.serve("/test/echo/1", lambda peer, msg: wire.message("echo"))
+        n.serve("/test/echo/1", echo, PINGS)
     wait_for(lambda: all(len(n.members.view()) == 1 for n in insiders), 10, "insiders to see each other")
-    assert insiders[1].request(insiders[0].peer_id, "/test/echo/1", wire.message("ping"))["t"] == "echo"
+    assert insiders[1].request(insiders[0].peer_id, "/test/echo/1", Ping(), ECHOES).peer == insiders[1].peer_id
     boot = insiders[0].addrs[0]
     (wrong,) = swarm(1, secret=b"wrong secret", bootstrap=[boot])
     (open_node,) = swarm(1, secret=None, bootstrap=[boot])
@@ -89,15 +110,15 @@ def test_private_swarm_admits_only_peers_with_the_secret(swarm):
         assert outsider.members.view() == {}, "an outsider learned the membership"
         assert outsider.peer_id not in insiders[0].members.view()
         assert insiders[0].peer_id not in outsider.connected_peers()
-        with pytest.raises((PeerUnavailable, TimeoutError, wire.RemoteError)):
-            outsider.request(insiders[0].peer_id, "/test/echo/1", wire.message("ping"), timeout=3)
+        with pytest.raises((PeerUnavailable, TimeoutError, RemoteError)):
+            outsider.request(insiders[0].peer_id, "/test/echo/1", Ping(), ECHOES, timeout=3)
     assert len(insiders[0].members.view()) == 1
 
 
 def test_hostile_input_is_survived_while_a_good_peer_is_served(swarm):
     target, good, evil = swarm(3, members=False)
-    target.serve("/test/echo/1", lambda peer, msg: wire.expect(msg, "ping", n=int) and wire.message("echo", n=msg["n"]))
-    Prober(target)
+    target.serve("/test/echo/1", echo, PINGS)
+    Prober(target).start()
     got = []
     target.serve_channel("/test/chan/1", lambda ch: got.append(ch))
     for n in (good, evil):
@@ -108,16 +129,16 @@ def test_hostile_input_is_survived_while_a_good_peer_is_served(swarm):
         for i in range(60):
             protocol = rng.choice(["/test/echo/1", "/beeswarm/probe/1", "/test/chan/1", "/beeswarm/auth/1"])
             try:
-                stream = await evil._open_stream(target.peer_id, protocol)
+                stream = await evil.open_stream(target.peer_id, protocol)
                 kind = i % 4
                 if kind == 0:
                     await stream.write(os.urandom(rng.randint(1, 300)))
                 elif kind == 1:  # announces a frame far above every limit
                     await stream.write((2**31).to_bytes(4, "big") + b"x" * 100)
                 elif kind == 2:  # well-framed but wrong-typed messages
-                    await wire.write_frame(stream, wire.pack({"t": 5, "v": "x", "n": "seven"}))
+                    await wire.write_frame(stream, msgspec.msgpack.encode({"t": 5, "v": "x", "n": "seven"}))
                 else:
-                    await wire.write_frame(stream, wire.pack(wire.message("ping", n="not an int")))
+                    await wire.write_frame(stream, msgspec.msgpack.encode({"t": "ping", "v": 1, "n": "not an int"}))
                 await stream.close()
             except Exception:  # noqa: BLE001 - the target may drop us: that is the point
                 pass
@@ -127,12 +148,12 @@ def test_hostile_input_is_survived_while_a_good_peer_is_served(swarm):
 
     def good_client():
         while not stop.is_set():
-            served.append(good.request(target.peer_id, "/test/echo/1", wire.message("ping", n=1), timeout=5)["n"])
+            served.append(good.request(target.peer_id, "/test/echo/1", Ping(n=1), ECHOES, timeout=5).n)
 
     worker = threading.Thread(target=good_client)
     worker.start()
     try:
-        evil._run(barrage)
+        evil.call(barrage)
     finally:
         time.sleep(0.5)
         stop.set()
@@ -140,15 +161,15 @@ def test_hostile_input_is_survived_while_a_good_peer_is_served(swarm):
     assert served and all(n == 1 for n in served)
     assert target.bans.is_banned(evil.peer_id)
     assert not target.bans.is_banned(good.peer_id)
-    assert good.request(target.peer_id, "/test/echo/1", wire.message("ping", n=2))["n"] == 2
-    with pytest.raises(wire.RemoteError, match="n"):  # a bad field in a well-formed request: an error reply
-        good.request(target.peer_id, "/test/echo/1", wire.message("ping", n="x"))
+    assert good.request(target.peer_id, "/test/echo/1", Ping(n=2), ECHOES).n == 2
+    with pytest.raises(RemoteError, match=r"\$\.n"):  # a bad field in a well-formed request: an error reply naming it
+        good.request(target.peer_id, "/test/echo/1", Ping(n="x"), ECHOES)  # type: ignore[arg-type]
 
 
 def test_probe_measures_rtt_and_throughput(swarm):
     a, b = swarm(2, members=False)
-    Prober(a)
-    prober = Prober(b)
+    Prober(a).start()
+    prober = Prober(b).start()
     b.connect(a.addrs[0])
     parts: list[int] = []
     probe = prober.probe(a.peer_id, bulk_bytes=1 << 20, on_part=parts.append)
@@ -200,10 +221,8 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
         _read_until(first, f"join {victim_id}")
         key_file = tmp_path / "node0" / "identity.secret"
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-        t0 = time.monotonic()
         procs[2].send_signal(signal.SIGKILL)
         _read_until(first, f"leave {victim_id}", timeout=3 * INTERVAL + 1.5)
-        assert time.monotonic() - t0 <= 3 * INTERVAL + 1.5
         first.send_signal(signal.SIGINT)
         first.wait(10)
         again = _spawn(envs[0])
@@ -224,11 +243,11 @@ def test_a_node_behind_a_relay_is_reachable_through_it(mesh):
         node.config.relays = [relay_addr]
 
     (target,) = mesh(1, bootstrap=[relay_addr], setup=behind_nat)
-    target.serve("/test/echo/1", lambda peer, msg: wire.message("echo", n=msg["n"]))
+    target.serve("/test/echo/1", echo, PINGS)
     assert target.addrs == [f"{relay_addr}/p2p-circuit/p2p/{target.peer_id}"]
     (source,) = mesh(1, bootstrap=[relay_addr])
     assert source.connect(target.addrs[0]) == target.peer_id
-    assert source.request(target.peer_id, "/test/echo/1", wire.message("ping", n=5))["n"] == 5
+    assert source.request(target.peer_id, "/test/echo/1", Ping(n=5), ECHOES).n == 5
     wait_for(lambda: target.peer_id in source.members.view(), 10, "the relayed node in the membership")
 
 
@@ -236,11 +255,33 @@ def test_hostile_gossip_is_dropped_and_counted(mesh):
     honest, evil = mesh(2)
     wait_for(lambda: evil.peer_id in honest.members.view(), 10, "the evil node to join")
     topic = honest.topic("members")
-    forged = {**honest.members.info.to_wire(), "peer": "12D3KooWSomebodyElse"}  # impersonation
-    for msg in (wire.message("heartbeat", info="not a map"), wire.message("heartbeat", info=forged),
-                wire.message("heartbeat", info={**evil.members.info.to_wire(), "memory_bytes": "lots"}),
-                {"t": "heartbeat"}, wire.message("mystery")):
-        evil.publish(topic, msg)
+    mine = msgspec.msgpack.decode(encode(Heartbeat(info=evil.members.info)))["info"]
+    forged = {**mine, "peer": "12D3KooWSomebodyElse"}  # impersonation
+    for msg in ({"t": "heartbeat", "v": 1, "info": "not a map"}, {"t": "heartbeat", "v": 1, "info": forged},
+                {"t": "heartbeat", "v": 1, "info": {**mine, "memory_bytes": "lots"}},
+                {"t": "heartbeat"}, {"t": "mystery", "v": 1}):
+        evil.call(publish_raw, evil, topic, msgspec.msgpack.encode(msg))
     wait_for(lambda: honest.bans.is_banned(evil.peer_id), 10, "the gossiping peer to be banned")
     assert set(honest.members.view()) <= {evil.peer_id}
     assert "12D3KooWSomebodyElse" not in honest.members.view()
+
+
+async def publish_raw(node, topic: str, body: bytes) -> None:
+    """What a hostile peer can publish: any bytes (the node's own publish only sends typed messages)."""
+    await node._pubsub.publish(topic, body)
+
+
+def test_bans_grow_with_each_ban_and_expire():
+    from beeswarm.p2p.bans import BASE_S, STRIKES_PER_BAN, BanList
+
+    now = [0.0]
+    bans = BanList(clock=lambda: now[0])
+    for _ in range(STRIKES_PER_BAN - 1):
+        assert not bans.strike("p", "malformed")
+    assert not bans.is_banned("p")
+    assert bans.strike("p", "malformed") and bans.is_banned("p") and bans.remaining("p") == BASE_S
+    now[0] += BASE_S
+    assert not bans.is_banned("p")  # served again once the ban ran out
+    assert bans.strike("p", "timed out", severe=True)  # one severe strike bans at once, for twice as long
+    assert bans.remaining("p") == 2 * BASE_S
+    assert not bans.is_banned("q")

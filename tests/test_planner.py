@@ -120,9 +120,9 @@ def test_planner_equals_brute_force_on_300_random_swarms():
             continue
         pipe = got.pipelines[0]
         # the plan's figures are the shared cost model's, and the stages tile [0, L)
-        assert [s.start for s in pipe.stages][0] == 0 and pipe.stages[-1].end == L
-        assert all(a.end == b.start for a, b in zip(pipe.stages, pipe.stages[1:]))
-        assert pipe.step_ms == pytest.approx(step_ms(cluster, [(s.node, s.end - s.start) for s in pipe.stages],
+        assert pipe.stages[0].span.start == 0 and pipe.stages[-1].span.end == L
+        assert all(a.span.end == b.span.start for a, b in zip(pipe.stages, pipe.stages[1:]))
+        assert pipe.step_ms == pytest.approx(step_ms(cluster, [(s.node, len(s.span)) for s in pipe.stages],
                                                      pipe.micro_batches))
         if objective == "latency":
             assert pipe.step_ms == pytest.approx(want, rel=1e-9), raw

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from beeswarm.contributor.status import ContributorStatus, PeerRow, Progress, ServingFigures, ShardFigures
+from beeswarm.protocol.spans import Span
 from beeswarm.tui.dashboard_app import DashboardApp
 
 ME = "12D3KooWGJ8Zz1xAfS1dw3QV2uSLkD1zK7nV7V8V3xFqQ9N7hBee"
@@ -20,12 +21,12 @@ STATUS = ContributorStatus(
     peer=ME, swarm="beeswarm", model="tinycode", private=True, state="serving",
     coordinator="12D3KooWQ1ZL3wRrFmQ6dZ7XQv2w1e5G7t9bD5K3u1qPcoord", term=3, epoch=17,
     addrs=(f"/ip4/192.0.2.7/tcp/31337/p2p/{ME}",),
-    peers=(PeerRow(ME, "contributor", (0, 4), "cuda:0", 41.5, None, None, "serving", me=True),
-           PeerRow("12D3KooWQ1ZL3wRrFmQ6dZ7XQv2w1e5G7t9bD5K3u1qPcoord", "contributor", (4, 8), "cpu", 40.9, 23.4,
+    peers=(PeerRow(ME, "contributor", Span(0, 4), "cuda:0", 41.5, None, None, "serving", me=True),
+           PeerRow("12D3KooWQ1ZL3wRrFmQ6dZ7XQv2w1e5G7t9bD5K3u1qPcoord", "contributor", Span(4, 8), "cpu", 40.9, 23.4,
                    87.0, "serving"),
            PeerRow("12D3KooWHx7nJr2vK1s9Fq3Lw8pD4mZ6cT5bY2aN1uEclient", "client", None, "cpu", 0.0, 61.2, 18.0,
                    "joining")),
-    shard=ShardFigures((0, 4), 0.25, 8 << 30, 3 << 30),
+    shard=ShardFigures(Span(0, 4), 0.25, 8 << 30, 3 << 30),
     serving=ServingFigures(sessions=2, steps=812, tokens=1930, tokens_per_s=41.5,
                            history=tuple(float(min(t, 41.5)) for t in range(0, 120, 2)), raw_in=7 << 20,
                            wire_in=5 << 20, raw_out=7 << 20, wire_out=5 << 20),

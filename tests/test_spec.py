@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from beeswarm.client.generate import generate
 from beeswarm.client.local import LocalPipeline
-from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.decoding.generate import generate
+from beeswarm.decoding.sampling import SamplingParams, probabilities
 from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftError, DraftModel

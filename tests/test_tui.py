@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from beeswarm.client.chat import ChatSession
-from beeswarm.client.sampling import SamplingParams
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import LocalSwarm
+from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.draft import DraftModel
@@ -18,6 +18,7 @@ from beeswarm.tui.widgets.status_bar import StatusBar
 from beeswarm.tui.widgets.swarm_panel import SwarmPanel
 from beeswarm.tui.widgets.transcript import Transcript
 from helpers import LOCAL, threads_left, until
+
 
 @pytest.fixture(scope="module")
 def swarm_client(tiny_llama, tmp_path_factory):
@@ -28,8 +29,8 @@ def swarm_client(tiny_llama, tmp_path_factory):
         swarm.wait_ready()
         entry = EntryModel(tiny_llama, "float32", "cpu")
         draft_folder = write_tiny_checkpoint(tmp_path_factory.mktemp("draft"), num_layers=1, seed=5)
-        client = SwarmClient(entry, [bootstrap], interval=1.0, listen=LOCAL,
-                             draft=DraftModel(str(draft_folder), entry.config.vocab_size))
+        client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=LOCAL,
+                                    draft=DraftModel(str(draft_folder), entry.config.vocab_size)).start()
         client.route()
         yield client
     finally:

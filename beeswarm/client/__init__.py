@@ -1,1 +1,1 @@
-"""Inference sessions: the generation loop, sampling, and (later) routes through the swarm."""
+"""The entry side: sessions over routes through the swarm, failover, chat sessions, the local oracle."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from beeswarm.client.sampling import SamplingParams
+from beeswarm.client.remote import Route
 from beeswarm.client.swarm import SwarmClient, SwarmGeneration
 from beeswarm.client.textstream import TextStream, stop_ids
+from beeswarm.decoding.sampling import SamplingParams
 
 
 class Stopped(Exception):
@@ -27,7 +28,7 @@ class Reply:
     tokens_per_s: float
     ttft_s: float
     accepted_per_round: float | None
-    route: list[tuple[str, int, int]] = field(default_factory=list)
+    route: Route = ()
 
 
 class ChatSession:
@@ -101,11 +102,11 @@ class ChatSession:
         self.turns += [{"role": "user", "content": text}, {"role": "assistant", "content": stream.text}]
         return self._reply(stream.text, stream.tokens, stopped, result, time.perf_counter() - t0)
 
-    def ring_ms(self, route: list[tuple[str, int, int]]) -> float | None:
+    def ring_ms(self, route: Route) -> float | None:
         """One-way latency around the route (entry -> stages -> entry) from the stages' link probes."""
         view = self.client.members.view()
         me = self.client.node.peer_id
-        hops = [me] + [peer for peer, _, _ in route] + [me]
+        hops = [me] + [stage.node for stage in route] + [me]
         total = 0.0
         for a, b in zip(hops, hops[1:]):
             link = (view[b].links.get(a) if b in view else None) or (view[a].links.get(b) if a in view else None)
@@ -116,9 +117,10 @@ class ChatSession:
 
     def swarm_rows(self) -> list[tuple[str, str, str, str]]:
         """(node, role, layers, state) for every member the client sees."""
-        rows = []
-        for peer, info in sorted(self.client.members.view().items(), key=lambda kv: (kv[1].layers or (99, 99))):
-            layers = f"[{info.layers[0]}, {info.layers[1]})" if info.layers else "-"
+        rows: list[tuple[str, str, str, str]] = []
+        for peer, info in sorted(self.client.members.view().items(),
+                                 key=lambda kv: (kv[1].layers is None, kv[1].layers or 0)):
+            layers = str(info.layers) if info.layers else "-"
             rows.append((peer[-8:], info.role, layers, info.state))
         return rows
 
@@ -129,4 +131,4 @@ class ChatSession:
         g, spec = result.generation, result.spec
         return Reply(text, len(tokens), stopped, g.tokens_per_s, g.ttft_s,
                      spec.as_json()["accepted_per_round"] if spec else None,
-                     [(h.peer, h.start, h.end) for h in result.route])
+                     result.route)

@@ -5,15 +5,8 @@ import itertools
 
 import torch
 
-from beeswarm.shard import EntryModel, Span, SpanRuntime, checkpoint
-
-
-def even_splits(num_layers: int, stages: int) -> list[Span]:
-    """`stages` contiguous spans covering [0, num_layers) as evenly as possible."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"cannot cut {num_layers} layers into {stages} stages")
-    bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
-    return [Span(a, b) for a, b in itertools.pairwise(bounds)]
+from beeswarm.protocol.spans import even_splits
+from beeswarm.shard import EntryModel, SpanRuntime, checkpoint
 
 
 class LocalPipeline:

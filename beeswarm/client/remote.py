@@ -10,59 +10,56 @@ import itertools
 import logging
 import os
 import threading
-import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from beeswarm import codec
-from beeswarm.contributor.stage import RESULT_PROTOCOL, SESSION_PROTOCOL, STEP_PROTOCOL, pack_mask
-from beeswarm.p2p import wire
-from beeswarm.p2p.node import Channel, Node, NodeError
+from beeswarm.p2p.channel import Channel, ChannelPool, NodeError
+from beeswarm.p2p.node import Node
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import Decoder, Message, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol.coordinator import Stage
+from beeswarm.protocol.session import Close, Closed, Open, Opened
+from beeswarm.protocol.step import Keep, Result, Step, StepError
 from beeswarm.shard import tensors
 from beeswarm.shard.entry import EntryModel
 
 log = logging.getLogger(__name__)
 
+Route = tuple[Stage, ...]  # stages covering every layer in order
+_session_replies = reply_decoder(Opened, Closed)
 
-class _Inbox:
-    """Results for every pipeline of one node (stages keep one result channel per entry)."""
 
-    # Weak keys: an id() could be reused by a later node, which must get its own inbox.
-    _by_node: weakref.WeakKeyDictionary[Node, _Inbox] = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
-
-    @classmethod
-    def of(cls, node: Node) -> _Inbox:
-        with cls._lock:
-            if node not in cls._by_node:
-                cls._by_node[node] = cls(node)
-            return cls._by_node[node]
+class Inbox:
+    """Results for every pipeline of one entry node (stages keep one result channel per entry)."""
 
     def __init__(self, node: Node):
         self.node = node
-        self.results: dict[tuple[str, int], dict] = {}
+        self.results: dict[tuple[str, int], tuple[str, Result | StepError]] = {}  # key -> (sender, reply)
         self.waiting: set[tuple[str, int]] = set()
         self.cond = threading.Condition()
-        node.serve_channel(RESULT_PROTOCOL, self._on_channel)
+        self._replies: Decoder[Result | StepError] = Decoder(Result, StepError, limit=node.config.max_tensor_bytes)
+
+    def start(self) -> Inbox:
+        self.node.serve_channel(ids.RESULT, self._on_channel)
+        return self
 
     def _on_channel(self, channel: Channel) -> None:
         channel.on_frame = self._on_frame
 
     def _on_frame(self, channel: Channel, body: bytes) -> None:
-        msg = wire.expect(wire.unpack(body, self.node.config.max_tensor_bytes), ("result", "step_error"),
-                          session=str, step=int)
-        if msg["t"] == "result":
-            wire.expect(msg, "result", frame=bytes)
-        key = (msg["session"], msg["step"])
+        msg = self._replies.decode(body)
+        key = (msg.session, msg.step)
         with self.cond:
             if key not in self.waiting:
                 return  # late (after a timeout or failover) or never asked for: drop
-            self.results[key] = {**msg, "from": channel.peer}
+            self.results[key] = (channel.peer, msg)
             self.cond.notify_all()
 
-    def wait(self, key: tuple[str, int], timeout: float, give_up=lambda: False) -> dict | None:
-        """The result for `key`, or None after `timeout` or as soon as `give_up()` holds."""
+    def wait(self, key: tuple[str, int], timeout: float,
+             give_up: Callable[[], bool] = lambda: False) -> tuple[str, Result | StepError] | None:
+        """(sender, reply) for `key`, or None after `timeout` or as soon as `give_up()` holds."""
         with self.cond:
             try:
                 self.cond.wait_for(lambda: key in self.results or give_up(), timeout=timeout)
@@ -87,31 +84,31 @@ class StageFailed(Exception):
         self.peer = peer
 
 
-@dataclass(frozen=True)
-class Hop:
-    peer: str
-    start: int
-    end: int
-
-
 class RemotePipeline:
-    def __init__(self, node: Node, entry: EntryModel, route: list[Hop], mode: str = "push",
+    def __init__(self, node: Node, inbox: Inbox, entry: EntryModel, route: Route, mode: str = "push",
                  link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0, compress: bool = True):
-        """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons)."""
+        """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons).
+        Call `close()` when done with it: it stops watching the route's connections."""
         if mode not in ("push", "hops"):
             raise ValueError(f"mode must be push or hops, got {mode!r}")
-        if not route or route[0].start != 0 or any(a.end != b.start for a, b in zip(route, route[1:])) or \
-                route[-1].end != entry.config.num_hidden_layers:
-            raise ValueError(f"route {route} does not cover layers [0, {entry.config.num_hidden_layers}) in order")
+        spans = [s.span for s in route]
+        if not route or spans[0].start != 0 or any(a.end != b.start for a, b in itertools.pairwise(spans)) or \
+                spans[-1].end != entry.config.num_hidden_layers:
+            raise ValueError(f"route {[str(s) for s in spans]} does not cover layers "
+                             f"[0, {entry.config.num_hidden_layers}) in order")
         self.node, self.entry, self.route, self.mode, self.compress = node, entry, route, mode, compress
         self.step_timeout_s = step_timeout_s
-        self.links = {hop.peer: codec.LinkCodec(link_bytes_per_s) for hop in route}
-        self._inbox = _Inbox.of(node)
+        self.links = {stage.node: codec.LinkCodec(link_bytes_per_s) for stage in route}
+        self._inbox = inbox
         self._lost: set[str] = set()  # route peers whose connection dropped: fail fast, not after a timeout
         node.on_peer_disconnected.append(self._on_disconnected)
-        self._channels: dict[str, Channel] = {}
+        self._channels = ChannelPool(node)
         self._step_ids = itertools.count()
-        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._on_disconnected in self.node.on_peer_disconnected:
+            self.node.on_peer_disconnected.remove(self._on_disconnected)
+        self._channels.close()
 
     # bytes on the wire as the entry saw them (its own sends and what came back)
     @property
@@ -124,27 +121,28 @@ class RemotePipeline:
 
     def open(self, max_length: int) -> str:
         session = os.urandom(8).hex()
-        for i, hop in enumerate(self.route):
-            last = i == len(self.route) - 1
-            push = self.mode == "push"
-            prev = self.route[i - 1].peer if push and i > 0 else self.node.peer_id
-            nxt = self.route[i + 1].peer if push and not last else None
-            self._request(hop, wire.message("open", session=session, max_length=max_length, prev=prev, next=nxt,
-                                            layers=[hop.start, hop.end], compress=self.compress))
+        push = self.mode == "push"
+        for i, stage in enumerate(self.route):
+            prev = self.route[i - 1].node if push and i > 0 else self.node.peer_id
+            nxt = self.route[i + 1].node if push and i < len(self.route) - 1 else None
+            self._request(stage, Open(session=session, max_length=max_length, prev=prev, next=nxt, span=stage.span,
+                                      compress=self.compress))
         return session
 
-    def close(self, session: str) -> None:
-        for hop in self.route:
+    def close_session(self, session: str) -> None:
+        for stage in self.route:
             try:
-                self._request(hop, wire.message("close", session=session))
+                self._request(stage, Close(session=session))
             except StageFailed as e:
                 log.debug("close: %s", e)
 
-    def _request(self, hop: Hop, msg: dict) -> dict:
+    def _request(self, stage: Stage, msg: Message) -> Message:
         try:
-            return self.node.request(hop.peer, SESSION_PROTOCOL, msg, timeout=self.step_timeout_s)
-        except (NodeError, TimeoutError, wire.RemoteError) as e:
-            raise StageFailed(hop.peer, str(e)) from None
+            reply: Message = self.node.request(stage.node, ids.SESSION, msg, _session_replies,
+                                               timeout=self.step_timeout_s)
+            return reply
+        except (NodeError, TimeoutError, RemoteError) as e:
+            raise StageFailed(stage.node, str(e)) from None
 
     def forward(self, session: str, token_ids: torch.Tensor, start: int, tree_mask: torch.Tensor | None = None,
                 micro_batches: int = 1, keep: tuple[int, list[int]] | None = None) -> torch.Tensor:
@@ -155,59 +153,55 @@ class RemotePipeline:
         (push chain, no tree) a long prompt is cut into that many chunks sent back to back, so stage k
         works on chunk i while stage k+1 works on chunk i-1.
         """
+        kept = None if keep is None else Keep(keep[0], tuple(keep[1]))
         if self.mode == "push" and micro_batches > 1 and tree_mask is None and len(token_ids) >= 2 * micro_batches:
             steps, position = [], start
             for chunk in torch.tensor_split(token_ids, micro_batches):
                 steps.append(self._send_step(self.route[0], session, self.entry.embed(chunk), position, None,
-                                             keep if position == start else None))
+                                             kept if position == start else None))
                 position += len(chunk)
             return self.entry.logits(torch.cat([self._await(session, step, self.route[0]) for step in steps]))
         hidden = self.entry.embed(token_ids)
-        hops = self.route if self.mode == "hops" else self.route[:1]
-        for hop in hops:
-            step = self._send_step(hop, session, hidden, start, tree_mask, keep)
-            hidden = self._await(session, step, hop)
+        stages = self.route if self.mode == "hops" else self.route[:1]
+        for stage in stages:
+            step = self._send_step(stage, session, hidden, start, tree_mask, kept)
+            hidden = self._await(session, step, stage)
         return self.entry.logits(hidden)
 
-    def _send_step(self, hop: Hop, session: str, hidden: torch.Tensor, start: int,
-                   tree_mask: torch.Tensor | None, keep: tuple[int, list[int]] | None) -> int:
+    def _send_step(self, stage: Stage, session: str, hidden: torch.Tensor, start: int,
+                   tree_mask: torch.Tensor | None, keep: Keep | None) -> int:
         step = next(self._step_ids)
-        msg = wire.message("step", entry=self.node.peer_id, session=session, step=step, start=start,
-                           frame=tensors.encode(hidden, self.links[hop.peer], "auto" if self.compress else "raw"),
-                           mask=pack_mask(tree_mask),
-                           keep=None if keep is None else [keep[0], list(keep[1])])
+        frame = tensors.encode(hidden, self.links[stage.node], "auto" if self.compress else "raw")
+        msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame,
+                   mask=tensors.encode_mask(tree_mask), keep=keep)
         self._inbox.expect((session, step))
         try:
-            self._channel(hop.peer).send(wire.pack(msg))
+            self._channels.send(stage.node, ids.STEP, encode(msg))
         except NodeError as e:
             self._inbox.wait((session, step), 0)
-            raise StageFailed(hop.peer, str(e)) from None
+            raise StageFailed(stage.node, str(e)) from None
         return step
 
-    def _await(self, session: str, step: int, hop: Hop) -> torch.Tensor:
-        reply = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
-        if reply is None:
+    def _await(self, session: str, step: int, stage: Stage) -> torch.Tensor:
+        got = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
+        if got is None:
             if self._lost:
                 raise StageFailed(next(iter(self._lost)), "connection lost")
-            raise StageFailed(hop.peer, f"no result for step {step} within {self.step_timeout_s} s")
-        last = self.route[-1] if self.mode == "push" else hop
-        if reply["t"] == "result" and reply["from"] != last.peer:
-            raise StageFailed(last.peer, f"result came from {reply['from']}, not the route's stage")
-        if reply["t"] == "step_error":
-            named = reply.get("culprit")
-            stages = {h.peer for h in self.route}
-            culprit = named if named in stages else reply["from"] if reply["from"] in stages else hop.peer
-            raise StageFailed(culprit, str(reply.get("error")))
-        return tensors.decode(reply["frame"], self.links[last.peer], self.node.config.max_tensor_bytes)
+            raise StageFailed(stage.node, f"no result for step {step} within {self.step_timeout_s} s")
+        sender, reply = got
+        last = self.route[-1] if self.mode == "push" else stage
+        if isinstance(reply, StepError):
+            nodes = {s.node for s in self.route}
+            culprit = reply.culprit if reply.culprit in nodes else sender if sender in nodes else stage.node
+            raise StageFailed(culprit, reply.error)
+        if sender != last.node:
+            raise StageFailed(last.node, f"result came from {sender}, not the route's stage")
+        try:
+            return tensors.decode(reply.frame, self.links[last.node], self.node.config.max_tensor_bytes)
+        except (codec.CodecError, ProtocolError) as e:
+            raise StageFailed(last.node, f"bad result frame: {e}") from None
 
     def _on_disconnected(self, peer: str) -> None:
-        if any(h.peer == peer for h in self.route):
+        if any(s.node == peer for s in self.route):
             self._lost.add(peer)
             self._inbox.wake()
-
-    def _channel(self, peer: str) -> Channel:
-        with self._lock:
-            channel = self._channels.get(peer)
-            if channel is None or channel.closed:
-                channel = self._channels[peer] = self.node.open_channel(peer, STEP_PROTOCOL)
-            return channel

@@ -14,14 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm import codec
-from beeswarm.client.generate import Generation, generate, new_generator
-from beeswarm.client.remote import Hop, RemotePipeline, StageFailed
-from beeswarm.client.sampling import SamplingParams
+from beeswarm.client.remote import Inbox, RemotePipeline, Route, StageFailed
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.decoding.generate import Generation, generate, new_generator
+from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.p2p import identity
-from beeswarm.p2p.membership import Membership, NodeInfo
+from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.protocol.coordinator import Pipeline
+from beeswarm.protocol.membership import NodeInfo
 from beeswarm.shard.entry import EntryModel
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftModel
@@ -38,90 +40,123 @@ class NoRoute(Exception):
 @dataclass
 class SwarmGeneration:
     generation: Generation
-    route: list[Hop]
+    route: Route
     recoveries: int
-    wire_bytes: int
+    wire_bytes: int  # this generation's, on every route it took
     raw_bytes: int
-    routes: list[list[Hop]] = field(default_factory=list)
+    routes: list[Route] = field(default_factory=list)
     spec: SpecReport | None = None
 
 
-def find_route(active: list[dict], view: dict[str, NodeInfo], banned: Callable[[str], bool]) -> list[Hop] | None:
+def find_route(active: tuple[Pipeline, ...], view: dict[str, NodeInfo],
+               banned: Callable[[str], bool]) -> Pipeline | None:
     """The first active pipeline whose every stage is a member serving its span and not banned.
 
     A stage loading its next span (a migration) still serves the old one: its `spans` say so."""
     for pipeline in active:
-        hops = [Hop(s["node"], s["start"], s["end"]) for s in pipeline["stages"]]
-        if all(h.peer in view and view[h.peer].state != "leaving" and (h.start, h.end) in view[h.peer].spans
-               and not banned(h.peer) for h in hops):
-            return hops
+        if all(s.node in view and view[s.node].state != "leaving" and s.span in view[s.node].spans
+               and not banned(s.node) for s in pipeline.stages):
+            return pipeline
     return None
 
 
+@dataclass(frozen=True)
+class ClientOptions:
+    mode: str = "push"  # push | hops (back to the entry after every stage, the way Petals routes)
+    link_bytes_per_s: float | None = None  # None: the stages' probes of their links to this node
+    micro_batches: int | None = None  # chunks a prompt is cut into (None: the plan's figure)
+    compress: bool = True  # False: raw frames on every hop (the baseline the benchmarks compare against)
+
+
 class SwarmClient:
-    def __init__(self, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None,
-                 interval: float = 3.0, mode: str = "push", listen: list[str] | None = None,
-                 link_bytes_per_s: float | None = None, micro_batches: int | None = None,
-                 draft: DraftModel | None = None, tuner: Tuner | None = None, announce: list[str] | None = None,
-                 compress: bool = True):
-        """`micro_batches`: chunks a prompt is cut into (None: the plan's figure). `draft`: speculate
-        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations.
-        `compress=False`: raw frames on every hop (the baseline the benchmarks compare against)."""
-        self.entry, self.mode, self.link_bytes_per_s = entry, mode, link_bytes_per_s
-        self.micro_batches, self.compress = micro_batches, compress
+    """Generation through the swarm. Its parts are injected; `create` builds them; `start()` starts the node."""
+
+    def __init__(self, entry: EntryModel, node: Node, members: Membership, coordinator: CoordinatorService,
+                 options: ClientOptions | None = None, draft: DraftModel | None = None, tuner: Tuner | None = None):
+        """`draft`: speculate with it (None: one token per pass); `tuner` keeps its acceptance figures
+        across generations."""
+        self.entry, self.node, self.members, self.coordinator = entry, node, members, coordinator
+        self.options = options or ClientOptions()
         self.draft, self.tuner = draft, tuner or Tuner()
         self.speculate = draft is not None
+        self.inbox = Inbox(node)
         self._draft_busy = threading.Lock()  # one draft, one generation at a time: others run plainly
+        self._pipes: dict[Route, RemotePipeline] = {}
+        self._retired = (0, 0)  # (wire, raw) bytes of pipelines closed since
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None, interval: float = 3.0,
+               listen: list[str] | None = None, announce: list[str] | None = None,
+               options: ClientOptions | None = None, draft: DraftModel | None = None,
+               tuner: Tuner | None = None) -> SwarmClient:
+        """A client with a fresh identity, joining through `bootstrap` (not started)."""
         me = identity.ephemeral()
-        self.node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], announce=announce or [],
-                                        bootstrap=bootstrap, secret=secret))
-        self.members = Membership(self.node, NodeInfo(peer=me.peer_id, role="client", state="serving"),
-                                  interval=interval)
+        node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], announce=announce or [],
+                                   bootstrap=bootstrap, secret=secret))
+        members = Membership(node, NodeInfo(peer=me.peer_id, role="client", state="serving"), interval=interval)
         config = entry.config
         shape = ModelShape(config.num_hidden_layers, config.hidden_size, 0, 0)  # a client never plans
-        self.coordinator = CoordinatorService(self.node, self.members, shape, interval=interval, eligible=False)
+        coordinator = CoordinatorService(node, members, shape, interval=interval, eligible=False)
+        return cls(entry, node, members, coordinator, options, draft, tuner)
+
+    def start(self) -> SwarmClient:
+        self.inbox.start()
         self.members.start()
         self.coordinator.start()
         self.node.start()
-        self._pipes: dict[tuple[Hop, ...], RemotePipeline] = {}
         threading.Thread(target=codec.warm_up, daemon=True, name="codec-warm-up").start()
+        return self
+
+    @property
+    def traffic(self) -> tuple[int, int]:
+        """(wire, raw) hidden-state bytes this client sent and received, over every route it took."""
+        with self._lock:
+            pipes, (wire, raw) = list(self._pipes.values()), self._retired
+        return wire + sum(p.wire_bytes for p in pipes), raw + sum(p.raw_bytes for p in pipes)
 
     def close(self) -> None:
+        with self._lock:
+            pipes, self._pipes = list(self._pipes.values()), {}
+        for pipe in pipes:
+            pipe.close()
         self.node.stop()
 
-    def route(self, timeout: float = 60.0) -> list[Hop]:
+    def route(self, timeout: float = 60.0) -> Pipeline:
         """A loaded, unbanned route covering every layer, from the plan's active pipelines."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = self._find_route()
-            if found:
+            if found is not None:
                 return found
             time.sleep(0.1)
         raise NoRoute(f"no complete route through the swarm within {timeout:.0f} s "
                       f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch})")
 
-    def _find_route(self) -> list[Hop] | None:
+    def _find_route(self) -> Pipeline | None:
         return find_route(self.coordinator.state.active, self.members.view(), self.node.bans.is_banned)
 
-    def _planned_micro_batches(self, route: list[Hop]) -> int:
-        for pipeline in self.coordinator.state.active:
-            if [(s["node"], s["start"], s["end"]) for s in pipeline["stages"]] == [(h.peer, h.start, h.end)
-                                                                                  for h in route]:
-                return int(pipeline.get("micro_batches", 1))
-        return 1
-
-    def _pipeline(self, route: list[Hop]) -> RemotePipeline:
-        key = (tuple(route), self.mode, self.compress)
-        if key not in self._pipes:
-            self._pipes[key] = RemotePipeline(self.node, self.entry, route, self.mode, self.link_bytes_per_s,
-                                              compress=self.compress)
-        pipe = self._pipes[key]
-        if self.link_bytes_per_s is None:  # the stages' probes of their links from this node
+    def _pipeline(self, route: Route) -> RemotePipeline:
+        """The pipeline over `route`; pipelines over routes the active plan no longer has are closed."""
+        o = self.options
+        live = {p.stages for p in self.coordinator.state.active} | {route}
+        with self._lock:
+            stale = [r for r in self._pipes if r not in live]
+            retired = [self._pipes.pop(r) for r in stale]
+            self._retired = (self._retired[0] + sum(p.wire_bytes for p in retired),
+                             self._retired[1] + sum(p.raw_bytes for p in retired))
+            if route not in self._pipes:
+                self._pipes[route] = RemotePipeline(self.node, self.inbox, self.entry, route, o.mode,
+                                                    o.link_bytes_per_s, compress=o.compress)
+            pipe = self._pipes[route]
+        for old in retired:
+            old.close()
+        if o.link_bytes_per_s is None:  # the stages' probes of their links from this node
             view = self.members.view()
-            for hop in route:
-                measured = view[hop.peer].links.get(self.node.peer_id) if hop.peer in view else None
+            for stage in route:
+                measured = view[stage.node].links.get(self.node.peer_id) if stage.node in view else None
                 if measured and measured[2] > 0:
-                    pipe.links[hop.peer].link_bytes_per_s = measured[2] * 1e6 / 8
+                    pipe.links[stage.node].link_bytes_per_s = measured[2] * 1e6 / 8
         return pipe
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
@@ -140,7 +175,8 @@ class SwarmClient:
                   speculate: bool) -> SwarmGeneration:
         generator = new_generator(params)
         tokens: list[int] = []
-        routes: list[list[Hop]] = []
+        routes: list[Route] = []
+        wire = raw = 0
         t0, ttft, recoveries = time.perf_counter(), None, 0
         last = t0  # the time of the last token: closing the sessions after it is not generation time
 
@@ -156,16 +192,19 @@ class SwarmClient:
         report = SpecReport() if speculate else None
         limit = self.entry.config.max_position_embeddings
         while True:
-            route = self.route(route_timeout)
+            pipeline = self.route(route_timeout)
+            route = pipeline.stages
             routes.append(route)
             pipe = self._pipeline(route)
+            wire0, raw0 = pipe.wire_bytes, pipe.raw_bytes
             try:
                 max_length = min(limit, len(prompt_ids) + max_new_tokens + (MAX_TREE_NODES + 1 if speculate else 0))
                 session = pipe.open(max_length)
                 try:
-                    m = self.micro_batches or self._planned_micro_batches(route)
+                    m = self.options.micro_batches or pipeline.micro_batches
                     context, left = prompt_ids + tokens, max_new_tokens - len(tokens)
                     if speculate:
+                        assert self.draft is not None, "`generate` speculates only when a draft is set"
                         speculative_generate(
                             lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep), self.draft,
                             context, left, params, self.tuner, stop_ids, emit, generator, report, max_length)
@@ -173,7 +212,7 @@ class SwarmClient:
                         generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, params,
                                  stop_ids, emit, generator)
                 finally:
-                    pipe.close(session)
+                    pipe.close_session(session)
                 break
             except StageFailed as e:
                 recoveries += 1
@@ -182,8 +221,9 @@ class SwarmClient:
                 self.node.bans.strike(e.peer, str(e), severe=True)
                 if recoveries > MAX_RECOVERIES:
                     raise
+            finally:  # this generation's bytes (a concurrent one on the same route adds its own)
+                wire, raw = wire + pipe.wire_bytes - wire0, raw + pipe.raw_bytes - raw0
             if tokens and tokens[-1] in set(stop_ids) or len(tokens) >= max_new_tokens:
                 break
         gen = Generation(tokens, len(prompt_ids), ttft or 0.0, last - t0)
-        return SwarmGeneration(gen, routes[-1], recoveries, sum(p.wire_bytes for p in self._pipes.values()),
-                               sum(p.raw_bytes for p in self._pipes.values()), routes, report)
+        return SwarmGeneration(gen, routes[-1], recoveries, wire, raw, routes, report)

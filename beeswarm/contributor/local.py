@@ -7,12 +7,13 @@ with the launcher (PR_SET_PDEATHSIG on Linux), so a killed launcher leaves no or
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import math
 import os
 import queue
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from beeswarm.client.descriptor import SwarmDescriptor, write
-from beeswarm.client.local import even_splits
 from beeswarm.config import cache_dir
+from beeswarm.contributor.process import model_shape
+from beeswarm.p2p.descriptor import SwarmDescriptor, write
+from beeswarm.protocol.spans import Span, even_splits
 
 log = logging.getLogger(__name__)
 CONTEXT_TOKENS = 2048
@@ -40,8 +42,8 @@ class Child:
     process: subprocess.Popen
     peer: str | None = None
     addr: str | None = None
-    span: tuple[int, int] | None = None
-    lines: queue.Queue = field(default_factory=queue.Queue)
+    span: Span | None = None
+    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)  # what the child printed
 
 
 def _runs_dir() -> Path:
@@ -51,6 +53,10 @@ def _runs_dir() -> Path:
 
 
 def _die_with_parent() -> None:
+    """In the child before exec, Linux only: SIGTERM when the launcher dies (no portable equivalent;
+    elsewhere children are stopped by `LocalSwarm.stop` and the launcher's signal handlers)."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -59,14 +65,9 @@ def _die_with_parent() -> None:
 
 def budgets(model: str, n: int, dtype: str = "auto", device: str = "auto") -> list[int]:
     """Memory per child: its even share of the layers (weights + KV for the default context) + 5%."""
-    from beeswarm.shard import benchmark, checkpoint
-    from beeswarm.shard.device import resolve_device, resolve_dtype
-    from beeswarm.shard.loader import load_config
-
-    config = load_config(checkpoint.resolve_config(model))
-    dt = resolve_dtype(dtype, resolve_device(device))
-    per_layer = benchmark.layer_bytes(config, dt) + CONTEXT_TOKENS * benchmark.kv_bytes_per_token_layer(config, dt)
-    return [math.ceil(len(span) * per_layer * 1.05) for span in even_splits(config.num_hidden_layers, n)]
+    shape = model_shape(model, device, dtype)
+    per_layer = shape.layer_bytes + CONTEXT_TOKENS * shape.kv_bytes_per_token_layer
+    return [math.ceil(len(span) * per_layer * 1.05) for span in even_splits(shape.num_layers, n)]
 
 
 def beeswarm_command() -> list[str]:
@@ -99,7 +100,7 @@ class LocalSwarm:
 
     def _spawn(self, index: int, budget: int, join: str | None) -> Child:
         port = self.base_port + index if self.base_port else 0
-        cmd = [*beeswarm_command(), "--log-level", self.log_level, "contribute", "--headless",
+        cmd = [*beeswarm_command(), "--log-level", self.log_level, "contribute", "--headless", "--json-events",
                "--model", self.model, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory", str(budget),
                "--device", self.device, "--heartbeat", str(self.heartbeat)]
         if join:
@@ -123,14 +124,20 @@ class LocalSwarm:
 
     @staticmethod
     def _read(child: Child) -> None:
+        """The child's events, one JSON object a line (`contribute --json-events`)."""
+        assert child.process.stdout is not None
         for line in child.process.stdout:
-            parts = line.split()
-            if parts[:1] == ["peer"]:
-                child.peer = parts[1]
-            elif parts[:1] == ["addr"] and child.addr is None:
-                child.addr = parts[1]
-            elif parts[:1] == ["serving"]:
-                child.span = (int(parts[1]), int(parts[2]))
+            try:
+                event = json.loads(line)
+                kind = event["event"]
+                if kind == "peer":
+                    child.peer = event["peer"]
+                elif kind == "addr" and child.addr is None:
+                    child.addr = event["addr"]
+                elif kind == "serving":
+                    child.span = Span(event["start"], event["end"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("contributor %d printed %r", child.index, line.rstrip())
             child.lines.put(line.rstrip())
         child.lines.put(None)
 
@@ -158,7 +165,7 @@ class LocalSwarm:
     def covered(self) -> bool:
         spans = sorted(c.span for c in self.children if c.span)
         reach = 0
-        for a, b in spans:
+        for a, b in ((s.start, s.end) for s in spans):
             if a > reach:
                 return False
             reach = max(reach, b)

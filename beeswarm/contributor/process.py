@@ -8,6 +8,7 @@ A paused node keeps its membership but leaves the plans; `status()` is what the 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,16 +17,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm.contributor.stage import StageServer
-from beeswarm.contributor.status import (HISTORY, ContributorStatus, PeerRow, Progress, RateMeter,
-                                         ServingFigures, ShardFigures)
+from beeswarm.contributor.status import (
+    HISTORY,
+    ContributorStatus,
+    Event,
+    PeerRow,
+    Progress,
+    RateMeter,
+    ServingFigures,
+    ShardFigures,
+)
 from beeswarm.coordinator.cluster import ModelShape, Workload
-from beeswarm.coordinator.service import CoordinatorService, PlanState
+from beeswarm.coordinator.service import CoordinatorService
 from beeswarm.p2p.identity import Identity
-from beeswarm.p2p.membership import Membership, NodeInfo
+from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.p2p.probe import Prober
+from beeswarm.protocol.coordinator import PlanState, stages_of
+from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.spans import Span
 from beeswarm.shard import benchmark
-from beeswarm.shard.span import Span, SpanRuntime
+from beeswarm.shard.span import SpanRuntime
 
 log = logging.getLogger(__name__)
 LEAVE_GRACE_S = 5.0
@@ -52,26 +64,56 @@ class ContributorOptions:
     context_tokens: int = 2048
 
 
+def model_shape(model: str, device: str = "auto", dtype: str = "auto") -> ModelShape:
+    """The planner's figures of a model's layers, from its config (no weights loaded)."""
+    from beeswarm.shard import checkpoint
+    from beeswarm.shard.device import resolve_device, resolve_dtype
+    from beeswarm.shard.families import kv_bytes_per_token_layer
+    from beeswarm.shard.loader import load_config
+
+    config = load_config(checkpoint.resolve_config(model))
+    dt = resolve_dtype(dtype, resolve_device(device))
+    return ModelShape(config.num_hidden_layers, config.hidden_size, benchmark.layer_bytes(config, dt),
+                      kv_bytes_per_token_layer(config, dt), act_bytes=2)
+
+
 class Contributor:
     """`run()` serves until `stop()`; `status()` (with each start-up phase's progress), `pause()`,
-    `resume()` and `rebench()` may be called from any thread meanwhile (the dashboard does)."""
+    `resume()` and `rebench()` may be called from any thread meanwhile (the dashboard does).
 
-    def __init__(self, identity: Identity, options: ContributorOptions, say: Callable[[str], None] = print):
+    Its parts are injected (`create` builds them); nothing starts before `run()`."""
+
+    def __init__(self, identity: Identity, options: ContributorOptions, node: Node, members: Membership,
+                 coordinator: CoordinatorService, prober: Prober,
+                 say: Callable[[Event], None] = lambda event: print(event.text)):
         self.identity, self.options, self.say = identity, options, say
+        self.node, self.members, self.coordinator, self.prober = node, members, coordinator, prober
         self.stopping = threading.Event()
         self.stopped = threading.Event()
         self.server: StageServer | None = None
-        self.span: tuple[int, int] | None = None
+        self.span: Span | None = None
         self.offload_fraction = 0.0
         self.paused = False
         self.ready = False  # node, membership, coordinator and prober are up
-        self._loading: tuple[int, int] | None = None
+        self._loading: Span | None = None
         self._lock = threading.Lock()
         self._progress: dict[str, Progress] = {}
         self._rate = RateMeter()
         self._history: deque[float] = deque(maxlen=HISTORY)
         self._benching = threading.Lock()
         self._workers: list[threading.Thread] = []  # span loads and re-benchmarks, joined when leaving
+
+    @classmethod
+    def create(cls, identity: Identity, options: ContributorOptions,
+               say: Callable[[Event], None] = lambda event: print(event.text)) -> Contributor:
+        o = options
+        node = Node(identity, NodeConfig(listen=o.listen, announce=o.announce, bootstrap=o.join, secret=o.secret,
+                                         relays=o.relays))
+        members = Membership(node, NodeInfo(peer=identity.peer_id, role="contributor", state="idle"),
+                             interval=o.interval)
+        coordinator = CoordinatorService(node, members, model_shape(o.model, o.device, o.dtype),
+                                         Workload(context_tokens=o.context_tokens), interval=o.interval)
+        return cls(identity, options, node, members, coordinator, Prober(node), say)
 
     def run(self) -> None:
         """Serve until `stop()` (or a signal handler calling it); then leave gracefully."""
@@ -81,31 +123,22 @@ class Contributor:
             self.stopped.set()
 
     def _serve(self) -> None:
-        o = self.options
         try:
             figures = self._benchmark(refresh=False)
         except Leaving:
             return
-        shape = ModelShape(figures.num_layers, figures.hidden_size, figures.layer_bytes,
-                           figures.kv_bytes_per_token_layer, act_bytes=2)
-        self.node = Node(self.identity, NodeConfig(listen=o.listen, announce=o.announce, bootstrap=o.join,
-                                                   secret=o.secret, relays=o.relays))
-        info = NodeInfo(peer=self.identity.peer_id, role="contributor", device=figures.device,
-                        memory_bytes=self.memory, state="idle", bench=self._bench_info(figures))
-        self.members = Membership(self.node, info, interval=o.interval)
-        self.coordinator = CoordinatorService(self.node, self.members, shape,
-                                              Workload(context_tokens=o.context_tokens), interval=o.interval)
+        self.members.update(device=figures.device, memory_bytes=self.memory, bench=self._bench_info(figures))
         self.coordinator.listeners.append(self._on_plan)
         self.members.start()
         self.coordinator.start()
+        self.prober.start()
         self.node.start()
-        self.prober = Prober(self.node)
         self.prober.report_links(self.members, every_s=120, bulk_bytes=1 << 20, stop=self.stopping,
                                  on_progress=self._probe_progress)
         self.ready = True
-        self.say(f"peer {self.node.peer_id}")
+        self.say(Event("peer", f"peer {self.node.peer_id}", {"peer": self.node.peer_id}))
         for addr in self.node.addrs:
-            self.say(f"addr {addr}")
+            self.say(Event("addr", f"addr {addr}", {"addr": addr}))
         while not self.stopping.wait(TICK_S):
             self._tick()
         self._leave()
@@ -127,7 +160,7 @@ class Contributor:
         return figures
 
     @staticmethod
-    def _bench_info(figures: benchmark.BenchResult) -> dict[str, float]:
+    def _bench_info(figures: benchmark.BenchResult) -> dict[str, float | None]:
         return {"layer_ms_base": figures.layer_ms_base, "layer_ms_per_token": figures.layer_ms_per_token,
                 "host_mem_bytes": figures.host_mem_bytes, "offload_gbps": figures.offload_gbps}
 
@@ -136,9 +169,9 @@ class Contributor:
                 error: str | None = None) -> None:
         with self._lock:
             old = self._progress.get(key)
-            restart = old is None or old.finished or old.label != label
-            self._progress[key] = Progress(key, label, done, total, unit, error=error,
-                                           **({} if restart else {"started": old.started}))
+            # a new phase (or a finished one restarting) starts its clock again
+            kept = {} if old is None or old.finished or old.label != label else {"started": old.started}
+            self._progress[key] = Progress(key, label, done, total, unit, error=error, **kept)
 
     def _step(self, key: str, label: str, done: float, total: float | None, unit: str = "") -> None:
         """Progress of long work, which stops here once the node is leaving."""
@@ -181,7 +214,8 @@ class Contributor:
             state = self._resting_state()
         self.members.update(state=state)
         self.coordinator.mark_dirty()
-        self.say(f"{'paused' if paused else 'resumed'} serving")
+        word = "paused" if paused else "resumed"
+        self.say(Event(word, f"{word} serving"))
 
     def _resting_state(self) -> str:
         """The state to announce when not loading."""
@@ -197,7 +231,8 @@ class Contributor:
                 figures = self._benchmark(refresh=True)
                 self.members.update(bench=self._bench_info(figures), memory_bytes=self.memory)
                 self.coordinator.mark_dirty()
-                self.say(f"re-benchmarked: {figures.layer_ms_base:.3f} ms per layer")
+                self.say(Event("rebenched", f"re-benchmarked: {figures.layer_ms_base:.3f} ms per layer",
+                               {"layer_ms_base": figures.layer_ms_base}))
             except Leaving:
                 pass
             except Exception:  # noqa: BLE001 - shown in the progress bar and the log
@@ -220,10 +255,10 @@ class Contributor:
         o = self.options
         with self._lock:
             progress = tuple(self._progress.values())
-        base = dict(peer=self.identity.peer_id, swarm=NodeConfig().swarm, model=o.model,
-                    private=o.secret is not None, progress=progress)
+        snapshot = functools.partial(ContributorStatus, peer=self.identity.peer_id, swarm=NodeConfig().swarm,
+                                     model=o.model, private=o.secret is not None, progress=progress)
         if not self.ready:
-            return ContributorStatus(state="stopped" if self.stopped.is_set() else "starting", **base)
+            return snapshot(state="stopped" if self.stopped.is_set() else "starting")
         me = self.members.info
         lease = self.coordinator.lease
         links = self.prober.all()
@@ -235,18 +270,18 @@ class Contributor:
                                 me=info is me))
         server, traffic = self.server, (self.server.traffic if self.server else None)
         sessions = list(server.sessions.values()) if server else []
-        resident = round(len(server.runtimes.get(self.span).layers) * self.layer_bytes) \
-            if server and self.span in server.runtimes else 0
+        runtime = server.runtimes.get(self.span) if server and self.span is not None else None
+        resident = round(len(runtime.layers) * self.layer_bytes) if runtime is not None else 0
         history = tuple(self._history)
         serving = ServingFigures(len(sessions), traffic.steps, traffic.tokens, history[-1] if history else 0.0,
                                  history, traffic.raw_in, traffic.wire_in, traffic.raw_out, traffic.wire_out) \
             if traffic else ServingFigures(history=history)
-        return ContributorStatus(
+        return snapshot(
             state="stopped" if self.stopped.is_set() else me.state, coordinator=lease.leader if lease else None,
             term=lease.term if lease else 0, epoch=self.coordinator.state.epoch, addrs=tuple(self.node.addrs),
             peers=tuple(rows), serving=serving,
             shard=ShardFigures(self.span, self.offload_fraction, self.memory,
-                               resident + sum(s.kv_bytes for s in sessions)), **base)
+                               resident + sum(s.kv_bytes for s in sessions)))
 
     # leaving ---------------------------------------------------------------------------------------
     def _leave(self) -> None:
@@ -264,40 +299,36 @@ class Contributor:
             self.server.stop()
         self.node.stop()
 
-    def _my_spans(self, pipelines: list[dict]) -> set[tuple[int, int]]:
-        return {(s["start"], s["end"]) for p in pipelines for s in p["stages"] if s["node"] == self.identity.peer_id}
-
     def _on_plan(self, state: PlanState) -> None:
         """Runs in the node's loop: only decide, never block."""
-        target = self._my_spans(state.target)
+        me = self.identity.peer_id
+        target = stages_of(state.target, me)
         with self._lock:
             if self.server is not None:  # keep what clients route over (active) and what comes next (target)
-                self.server.keep_only(target | self._my_spans(state.active))
+                self.server.keep_only({s.span for s in target + stages_of(state.active, me)})
                 self.members.update(spans=self.server.spans)
                 if self.span is not None and self.span not in self.server.runtimes:
                     self.span = None  # the plan moved on without it
                     self.members.update(layers=None, state=self._resting_state())
-            mine = next(iter(target), None)
-            if mine is None or mine == self.span or mine == self._loading or self.paused or self.stopping.is_set():
+            mine = target[0] if target else None
+            if mine is None or mine.span in (self.span, self._loading) or self.paused or self.stopping.is_set():
                 return
-            self._loading = mine
-            offload = next(float(s.get("offload_fraction", 0.0)) for p in state.target for s in p["stages"]
-                           if s["node"] == self.identity.peer_id)
-        self._start_worker(self._load, "span-loader", mine, offload)
+            self._loading = mine.span
+        self._start_worker(self._load, "span-loader", mine.span, mine.offload_fraction)
 
-    def _load(self, span: tuple[int, int], offload_fraction: float = 0.0) -> None:
+    def _load(self, span: Span, offload_fraction: float = 0.0) -> None:
         self.members.update(state="loading")
-        log.info("loading layers [%d, %d) of %s (offload %.0f%%)", *span, self.options.model, 100 * offload_fraction)
-        label = f"loading layers [{span[0]}, {span[1]})"
-        self._report("load", label, 0, span[1] - span[0])
+        log.info("loading layers %s of %s (offload %.0f%%)", span, self.options.model, 100 * offload_fraction)
+        label = f"loading layers {span}"
+        self._report("load", label, 0, len(span))
         try:
-            runtime = SpanRuntime.load(self.options.model, Span(*span), self.options.dtype, self.options.device,
+            runtime = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
                                        offload_fraction, on_bytes=self._download_progress,
                                        on_layer=lambda done, total: self._step("load", label, done, total))
         except Leaving:
             return
         except Exception as e:  # noqa: BLE001 - report, keep serving the old span
-            log.exception("could not load layers [%d, %d)", *span)
+            log.exception("could not load layers %s", span)
             self._report("load", label, error=str(e))
             with self._lock:
                 self._loading = None
@@ -313,4 +344,4 @@ class Contributor:
             self.span, self._loading, self.offload_fraction = span, None, offload_fraction
             state, spans = self._resting_state(), self.server.spans
         self.members.update(layers=span, spans=spans, state=state)
-        self.say(f"serving {span[0]} {span[1]}")
+        self.say(Event("serving", f"serving layers {span}", {"start": span.start, "end": span.end}))

@@ -4,8 +4,10 @@ Protocols:
 - `/beeswarm/session/1` (request/response): open (allocates KV, records the previous and next hop),
   close.
 - `/beeswarm/step/1` (channels): a step carries (session, step id, start, optional tree mask, hidden
-  frame, optional keep: the previous speculative round's accepted path, compacted first). The stage runs its layers and pushes the result straight to the next stage; the last
-  stage (or every stage in client-hops mode) sends it to the entry on `/beeswarm/result/1`.
+  frame, optional keep: the previous speculative round's accepted path, compacted first). The stage
+  runs its layers and pushes the result straight to the next stage; the last stage (or every stage
+  in client-hops mode) sends it to the entry on `/beeswarm/result/1`.
+The messages are `beeswarm.protocol.session` and `beeswarm.protocol.step`.
 A stage may hold two spans while it migrates (make-before-break); a session names the span it
 expects at open, so a step can never run on layers the entry did not route it to.
 Steps of concurrent sessions are batched into one call of the span runtime. Sessions belong to the
@@ -19,26 +21,27 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from beeswarm import codec
-from beeswarm.p2p import wire
-from beeswarm.p2p.node import Channel, Node, NodeError
+from beeswarm.p2p.channel import Channel, ChannelPool, NodeError
+from beeswarm.p2p.node import Node
+from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, Span, encode, ids
+from beeswarm.protocol.session import Close, Closed, Open, Opened
+from beeswarm.protocol.step import Result, Step, StepError
 from beeswarm.shard import tensors
 from beeswarm.shard.errors import SessionError
 from beeswarm.shard.span import SpanRuntime, StepInput
 
 log = logging.getLogger(__name__)
 
-SESSION_PROTOCOL = "/beeswarm/session/1"
-STEP_PROTOCOL = "/beeswarm/step/1"
-RESULT_PROTOCOL = "/beeswarm/result/1"
 MAX_BATCH = 16
 MAX_SESSIONS_PER_PEER = 64
-MAX_KEEP = 4096
+_session_requests: Decoder[Open | Close] = Decoder(Open, Close)
 
 
 @dataclass
@@ -69,51 +72,38 @@ class Traffic:
 @dataclass
 class _Step:
     sender: str
-    msg: dict
+    msg: Step
 
-
-def pack_mask(mask: torch.Tensor | None) -> bytes | None:
-    return None if mask is None else tensors.encode(mask.to(torch.uint8), layout="raw")
-
-
-def unpack_mask(data: bytes | None, q: int) -> torch.Tensor | None:
-    if data is None:
-        return None
-    mask = tensors.decode(data, max_bytes=q * q)
-    if mask.dtype != torch.uint8 or tuple(mask.shape) != (q, q):
-        raise wire.ProtocolError(f"tree mask must be uint8 ({q}, {q})")
-    return mask.bool()
-
-
-def parse_keep(value) -> tuple[int, list[int]]:
-    """A step's `keep` field: [start, [index, ...]], the tree nodes to keep from `start` on."""
-    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and isinstance(value[1], list)
-            and len(value[1]) <= MAX_KEEP and all(isinstance(i, int) for i in value[1])):
-        raise wire.ProtocolError(f"keep must be [start, [index, ...]] with at most {MAX_KEEP} indices")
-    return value[0], value[1]
+    @property
+    def key(self) -> str:
+        return f"{self.msg.entry}/{self.msg.session}"
 
 
 class StageServer:
     def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
                  link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None,
-                 link_rate: Callable[[str], float | None] | None = None):
+                 link_rate: Callable[[str], float | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows);
-        `link_rate(peer)`: measured bytes/s towards a peer (link probes), for the codec's choice."""
+        `link_rate(peer)`: measured bytes/s towards a peer (link probes), for the codec's choice;
+        `clock`: monotonic seconds, for idle expiry."""
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
+        self.clock = clock
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
         self.steps = self.tokens = 0  # written by the compute thread only
         self._queue: queue.Queue[_Step | None] = queue.Queue()
-        self._out: dict[tuple[str, str], Channel] = {}  # (peer, protocol) -> channel
+        self._out = ChannelPool(node)
+        self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
         self._codecs: dict[str, codec.LinkCodec] = {}
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
-        self.runtimes: dict[tuple[int, int], SpanRuntime] = {}
+        self.runtimes: dict[Span, SpanRuntime] = {}
         self.add(runtime)
 
     def start(self) -> StageServer:
-        self.node.serve(SESSION_PROTOCOL, self._on_session)
-        self.node.serve_channel(STEP_PROTOCOL, self._on_step_channel)
+        self.node.serve(ids.SESSION, self._on_session, _session_requests)
+        self.node.serve_channel(ids.STEP, self._on_step_channel)
         self._worker = threading.Thread(target=self._compute_loop, name="stage-compute", daemon=True)
         self._worker.start()
         return self
@@ -122,13 +112,14 @@ class StageServer:
         self._queue.put(None)
         if self._worker is not None:
             self._worker.join(10)
+        self._out.close()
 
     def add(self, runtime: SpanRuntime) -> None:
         """Serve another span (the new one of a migration) beside the current ones."""
         with self._lock:
-            self.runtimes[(runtime.span.start, runtime.span.end)] = runtime
+            self.runtimes[runtime.span] = runtime
 
-    def keep_only(self, spans: set[tuple[int, int]]) -> None:
+    def keep_only(self, spans: set[Span]) -> None:
         """Drop every span not in `spans`; its sessions end (their entries re-route and re-prefill)."""
         with self._lock:
             self.runtimes = {span: r for span, r in self.runtimes.items() if span in spans}
@@ -136,7 +127,7 @@ class StageServer:
             self.sessions = {k: s for k, s in self.sessions.items() if s.runtime in live}
 
     @property
-    def spans(self) -> tuple[tuple[int, int], ...]:
+    def spans(self) -> tuple[Span, ...]:
         """Every span served, in order (two while a migration is under way)."""
         return tuple(sorted(self.runtimes))
 
@@ -161,49 +152,40 @@ class StageServer:
         return link
 
     # sessions ---------------------------------------------------------------------------------
-    def _on_session(self, peer: str, msg: dict) -> dict:
+    def _on_session(self, peer: str, msg: Open | Close) -> Message:
         self._expire_idle()
-        if msg["t"] == "open":
-            wire.expect(msg, "open", session=str, max_length=int, prev=str, layers=list)
-            if not isinstance(msg.get("compress", True), bool):
-                raise wire.ProtocolError("field 'compress' of 'open' must be a bool")
-            nxt = msg.get("next")
-            if nxt is not None and not isinstance(nxt, str):
-                raise wire.ProtocolError("field 'next' of 'open' must be a peer id or null")
-            layers = tuple(msg["layers"])
-            key = f"{peer}/{msg['session']}"
-            # One lock over check, allocation and insert: concurrent opens must not both pass the budget.
+        key = f"{peer}/{msg.session}"
+        if isinstance(msg, Close):
             with self._lock:
-                runtime = self.runtimes.get(layers)
-                if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
-                    return wire.error(f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})")
-                if runtime is None:
-                    return wire.error(f"this stage serves {sorted(self.runtimes)}, not layers {list(layers)}")
-                need = runtime.kv_bytes(msg["max_length"])
-                if self.kv_budget_bytes is not None:
-                    used = sum(s.kv_bytes for s in self.sessions.values())
-                    if used + need > self.kv_budget_bytes:
-                        return wire.error(f"no memory for a session of {msg['max_length']} tokens: it needs {need} "
-                                          f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free")
-                try:
-                    runtime.open(key, msg["max_length"])
-                except SessionError as e:
-                    return wire.error(str(e))
-                self.sessions[key] = _Session(key, runtime, peer, msg["session"], msg["prev"], nxt, time.monotonic(),
-                                              msg.get("compress", True), need)
-            return wire.message("opened", layers=list(layers))
-        wire.expect(msg, "close", session=str)
-        key = f"{peer}/{msg['session']}"
-        session = self.sessions.get(key)
-        if session is None:
-            return wire.error(f"unknown session {msg['session']!r}")
+                session = self.sessions.pop(key, None)
+            if session is None:
+                return ErrorReply(error=f"unknown session {msg.session!r}")
+            session.runtime.close(key)
+            return Closed()
+        # One lock over check, allocation and insert: concurrent opens must not both pass the budget.
         with self._lock:
-            self.sessions.pop(key, None)
-        session.runtime.close(key)
-        return wire.message("closed")
+            runtime = self.runtimes.get(msg.span)
+            if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
+                return ErrorReply(error=f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})")
+            if runtime is None:
+                return ErrorReply(error=f"this stage serves {', '.join(map(str, sorted(self.runtimes)))}, "
+                                        f"not layers {msg.span}")
+            need = runtime.kv_bytes(msg.max_length)
+            if self.kv_budget_bytes is not None:
+                used = sum(s.kv_bytes for s in self.sessions.values())
+                if used + need > self.kv_budget_bytes:
+                    return ErrorReply(error=f"no memory for a session of {msg.max_length} tokens: it needs {need} "
+                                            f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free")
+            try:
+                runtime.open(key, msg.max_length)
+            except SessionError as e:
+                return ErrorReply(error=str(e))
+            self.sessions[key] = _Session(key, runtime, peer, msg.session, msg.prev, msg.next, self.clock(),
+                                          msg.compress, need)
+        return Opened(span=msg.span)
 
     def _expire_idle(self) -> None:
-        cutoff = time.monotonic() - self.idle_timeout_s
+        cutoff = self.clock() - self.idle_timeout_s
         with self._lock:
             stale = [s for s in self.sessions.values() if s.last_used < cutoff]
             for s in stale:
@@ -218,9 +200,7 @@ class StageServer:
 
     def _on_step_frame(self, channel: Channel, body: bytes) -> None:
         """In the node's loop: check the step's form and queue it for the compute thread."""
-        msg = wire.unpack(body, self.node.config.max_tensor_bytes)
-        wire.expect(msg, "step", entry=str, session=str, step=int, start=int, frame=bytes)
-        self._queue.put(_Step(channel.peer, msg))
+        self._queue.put(_Step(channel.peer, self._steps.decode(body)))
 
     def _compute_loop(self) -> None:
         codec.warm_up()  # calibrate the codec before the first step rather than during it
@@ -232,7 +212,8 @@ class StageServer:
                 continue
             if first is None:
                 return
-            batch, seen, later = [first], {self._key(first)}, []
+            batch, seen = [first], {first.key}
+            later: list[_Step] = []
             while len(batch) < MAX_BATCH:
                 try:
                     item = self._queue.get_nowait()
@@ -241,15 +222,11 @@ class StageServer:
                 if item is None:
                     self._queue.put(None)
                     break
-                (later if self._key(item) in seen else batch).append(item)
-                seen.add(self._key(item))
+                (later if item.key in seen else batch).append(item)
+                seen.add(item.key)
             for item in later:  # a second step of the same session waits for the next batch
                 self._queue.put(item)
             self._run_batch(batch)
-
-    @staticmethod
-    def _key(item: _Step) -> str:
-        return f"{item.msg['entry']}/{item.msg['session']}"
 
     def _run_batch(self, batch: list[_Step]) -> None:
         ready: dict[SpanRuntime, list[tuple[_Step, _Session, StepInput]]] = {}
@@ -257,9 +234,10 @@ class StageServer:
             try:
                 prepared = self._prepare(item)
                 ready.setdefault(prepared[1].runtime, []).append(prepared)
-            except (wire.ProtocolError, SessionError, codec.CodecError) as e:
+            except (ProtocolError, SessionError, codec.CodecError) as e:
                 self._fail(item, str(e))
         for runtime, steps in ready.items():
+            outputs: Sequence[torch.Tensor | None]
             try:
                 outputs = runtime.step([x for _, _, x in steps])
             except SessionError:
@@ -279,54 +257,40 @@ class StageServer:
 
     def _prepare(self, item: _Step) -> tuple[_Step, _Session, StepInput]:
         msg = item.msg
-        session = self.sessions.get(self._key(item))
+        session = self.sessions.get(item.key)
         if session is None or session.prev != item.sender:
-            raise SessionError(f"unknown session {msg['session']!r} (or not from its previous hop)")
-        hidden = tensors.decode(msg["frame"], self.link(item.sender), self.node.config.max_tensor_bytes)
+            raise SessionError(f"unknown session {msg.session!r} (or not from its previous hop)")
+        hidden = tensors.decode(msg.frame, self.link(item.sender), self.node.config.max_tensor_bytes)
         if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise wire.ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
-        mask = unpack_mask(msg.get("mask"), hidden.shape[0]) if hidden.dim() == 2 else None
-        if msg.get("keep") is not None:  # the last speculative round's accepted path, sent with the next step
-            keep_start, indices = parse_keep(msg["keep"])
-            session.runtime.keep(session.key, keep_start, indices)
-        session.last_used = time.monotonic()
-        return item, session, StepInput(session.key, hidden, msg["start"], mask)
+            raise ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
+        mask = tensors.decode_mask(msg.mask, hidden.shape[0]) if hidden.dim() == 2 else None
+        if msg.keep is not None:  # the last speculative round's accepted path, sent with the next step
+            session.runtime.keep(session.key, msg.keep.start, list(msg.keep.indices))
+        session.last_used = self.clock()
+        return item, session, StepInput(session.key, hidden, msg.start, mask)
 
     def _forward(self, item: _Step, session: _Session, out: torch.Tensor) -> None:
-        msg = item.msg
         layout = "auto" if session.compress else "raw"
         target = session.entry if session.next is None else session.next
         frame = tensors.encode(out, self.link(target), layout)
+        reply: Message
         if session.next is None:
-            protocol = RESULT_PROTOCOL
-            reply = wire.message("result", session=session.session, step=msg["step"], frame=frame)
+            protocol, reply = ids.RESULT, Result(session=session.session, step=item.msg.step, frame=frame)
         else:
-            protocol, reply = STEP_PROTOCOL, {**msg, "frame": frame}
+            protocol, reply = ids.STEP, msgspec.structs.replace(item.msg, frame=frame)
         try:
-            self._channel(target, protocol).send(wire.pack(reply))
+            self._out.send(target, protocol, encode(reply))
         except NodeError as e:
-            with self._lock:
-                self._out.pop((target, protocol), None)
             if target != session.entry:  # tell the entry at once, naming the hop that failed
                 self._fail(item, f"cannot reach the next stage: {e}", culprit=target)
             else:
                 log.warning("cannot return a result to %s: %s", target, e)
 
     def _fail(self, item: _Step, error: str, culprit: str | None = None) -> None:
-        log.info("step %s of %s failed: %s", item.msg.get("step"), self._key(item), error)
-        entry = item.msg["entry"]
-        body = wire.pack(wire.message("step_error", session=item.msg["session"], step=item.msg["step"],
-                                      error=error[:500], culprit=culprit or self.node.peer_id))
+        log.info("step %s of %s failed: %s", item.msg.step, item.key, error)
+        reply = StepError(session=item.msg.session, step=item.msg.step, error=error[:500],
+                          culprit=culprit or self.node.peer_id)
         try:
-            self._channel(entry, RESULT_PROTOCOL).send(body)
+            self._out.send(item.msg.entry, ids.RESULT, encode(reply))
         except NodeError as e:
-            log.info("cannot report the error to %s: %s", entry, e)
-
-    def _channel(self, peer: str, protocol: str) -> Channel:
-        with self._lock:
-            channel = self._out.get((peer, protocol))
-        if channel is None or channel.closed:
-            channel = self.node.open_channel(peer, protocol)
-            with self._lock:
-                self._out[(peer, protocol)] = channel
-        return channel
+            log.info("cannot report the error to %s: %s", item.msg.entry, e)

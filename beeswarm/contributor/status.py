@@ -4,8 +4,24 @@ The dashboard renders these; `Contributor.status()` fills them. No networking or
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from beeswarm.protocol.spans import Span
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something a contributor reports: `text` for people, `json()` for a process that reads its output."""
+
+    kind: str  # peer | addr | serving | paused | resumed | rebenched
+    text: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def json(self) -> str:
+        return json.dumps({"event": self.kind, **self.fields})
 
 
 @dataclass(frozen=True)
@@ -35,7 +51,7 @@ class Progress:
 class PeerRow:
     peer: str
     role: str
-    layers: tuple[int, int] | None
+    layers: Span | None
     device: str
     tokens_per_s: float  # what the peer served lately (from its heartbeat)
     rtt_ms: float | None  # measured from this node (None: not probed yet)
@@ -46,7 +62,7 @@ class PeerRow:
 
 @dataclass(frozen=True)
 class ShardFigures:
-    layers: tuple[int, int] | None
+    layers: Span | None
     offload_fraction: float
     memory_budget: int  # bytes this node offers
     memory_used: int  # resident weights + KV caches allocated

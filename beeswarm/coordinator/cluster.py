@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from types import EllipsisType
+from typing import Any, Literal, overload
 
 
 class ClusterError(ValueError):
@@ -104,7 +105,10 @@ def stage_ms(cluster: Cluster, node: NodeSpec, k: int, m: int) -> float | None:
         return None
     w = cluster.workload
     compute = k * (node.layer_ms_base + m * w.step_tokens * node.layer_ms_per_token)
-    stream = a * k * cluster.model.layer_bytes / (node.offload_gbps * 1e9) * 1e3 if a > 0 else 0.0
+    stream = 0.0
+    if a > 0:
+        assert node.offload_gbps, "offload_fraction is None when there is nothing to stream the weights with"
+        stream = a * k * cluster.model.layer_bytes / (node.offload_gbps * 1e9) * 1e3
     return compute + stream
 
 
@@ -146,8 +150,17 @@ def tokens_per_s(cluster: Cluster, step: float) -> float:
 
 
 # parsing ------------------------------------------------------------------------------------------
-def _num(obj: dict, key: str, path: str, *, integer: bool = False, minimum: float = 0, default: Any = ...,
-         allow_none: bool = False):
+@overload
+def _num(obj: dict[str, Any], key: str, path: str, *, integer: Literal[True], minimum: float = 0,
+         default: int = ..., allow_none: Literal[False] = False) -> int: ...
+@overload
+def _num(obj: dict[str, Any], key: str, path: str, *, integer: Literal[False] = False, minimum: float = 0,
+         default: float = ..., allow_none: Literal[False] = False) -> float: ...
+@overload
+def _num(obj: dict[str, Any], key: str, path: str, *, integer: Literal[False] = False, minimum: float = 0,
+         default: float | None = ..., allow_none: Literal[True]) -> float | None: ...
+def _num(obj: dict[str, Any], key: str, path: str, *, integer: bool = False, minimum: float = 0,
+         default: float | None | EllipsisType = ..., allow_none: bool = False) -> float | None:
     if key not in obj:
         if default is ...:
             raise ClusterError(f"{path}.{key}: missing")
@@ -162,7 +175,7 @@ def _num(obj: dict, key: str, path: str, *, integer: bool = False, minimum: floa
     return value
 
 
-def _rtts(obj: dict, path: str) -> dict[str, float]:
+def _rtts(obj: dict[str, Any], path: str) -> dict[str, float]:
     table = obj.get("rtt_ms", {})
     if not isinstance(table, dict):
         raise ClusterError(f"{path}.rtt_ms: expected an object of id -> milliseconds")
@@ -171,7 +184,7 @@ def _rtts(obj: dict, path: str) -> dict[str, float]:
     return {str(k): float(v) for k, v in table.items()}
 
 
-def _obj(parent: dict, key: str, path: str) -> dict:
+def _obj(parent: dict[str, Any], key: str, path: str) -> dict[str, Any]:
     value = parent.get(key)
     if not isinstance(value, dict):
         raise ClusterError(f"{path}{key}: expected an object")

@@ -10,6 +10,7 @@ Higher terms win; equal terms break by the smaller peer id, so merged partitions
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MISSED_BEATS = 2.5
@@ -30,7 +31,8 @@ class Lease:
 
 
 class Election:
-    def __init__(self, me: str, interval: float, eligible: bool = True, clock=time.monotonic):
+    def __init__(self, me: str, interval: float, eligible: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         self.me, self.interval, self.eligible, self.clock = me, interval, eligible, clock
         self.current: Lease | None = None
         self.last_heard = clock()
@@ -66,8 +68,9 @@ class Election:
         self.last_heard = self.clock()
         return self.current
 
-    def next_epoch(self) -> int:
-        """The leader's next plan epoch."""
-        assert self.is_leader
+    def next_epoch(self) -> Lease:
+        """The leader's lease with its next plan epoch (call only while `is_leader`)."""
+        if self.current is None or self.current.leader != self.me:
+            raise RuntimeError("only the leader numbers plans")
         self.current = Lease(self.current.term, self.me, self.current.epoch + 1)
-        return self.current.epoch
+        return self.current

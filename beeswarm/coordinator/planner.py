@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from beeswarm.coordinator.cluster import (
-    Cluster, NodeSpec, hop_ms, hop_transmit_ms, offload_fraction, stage_ms, step_ms, tokens_per_s)
+    Cluster,
+    NodeSpec,
+    hop_ms,
+    hop_transmit_ms,
+    offload_fraction,
+    stage_ms,
+    step_ms,
+    tokens_per_s,
+)
+from beeswarm.protocol.coordinator import Exclusion, Pipeline, Stage
+from beeswarm.protocol.spans import Span
 
 # Largest swarm solved exactly, per objective (latency needs one DP; throughput one per bottleneck value),
 # and the number of most promising nodes searched exactly in larger swarms.
@@ -36,26 +47,10 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class Stage:
-    node: str
-    start: int
-    end: int  # exclusive
-    offload_fraction: float
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    stages: tuple[Stage, ...]
-    micro_batches: int
-    step_ms: float
-    tokens_per_s: float
-
-
-@dataclass(frozen=True)
 class Plan:
     objective: str
     pipelines: tuple[Pipeline, ...]
-    excluded: tuple[tuple[str, str], ...]  # (node, reason)
+    excluded: tuple[Exclusion, ...]
     solve_ms: float
     exact: bool
 
@@ -63,14 +58,14 @@ class Plan:
     def tokens_per_s(self) -> float:
         return sum(p.tokens_per_s for p in self.pipelines)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "objective": self.objective,
-            "pipelines": [{"stages": [{"node": s.node, "start": s.start, "end": s.end,
+            "pipelines": [{"stages": [{"node": s.node, "start": s.span.start, "end": s.span.end,
                                        "offload_fraction": round(s.offload_fraction, 6)} for s in p.stages],
                            "micro_batches": p.micro_batches, "step_ms": round(p.step_ms, 6),
                            "tokens_per_s": round(p.tokens_per_s, 6)} for p in self.pipelines],
-            "excluded": [{"node": n, "reason": r} for n, r in self.excluded],
+            "excluded": [{"node": e.node, "reason": e.reason} for e in self.excluded],
             "solve_ms": round(self.solve_ms, 3),
             "exact": self.exact,
         }
@@ -198,7 +193,8 @@ def _masks_by_size(n: int) -> list[np.ndarray]:
 def _bottleneck(tables: _Tables, sol: _Solution) -> float:
     path = [tables.n, *sol.order, tables.n]
     stages = [tables.stage[j, sol.layers[j]] for j in sol.order]
-    return max(max(stages), max(tables.transmit[a, b] for a, b in zip(path, path[1:])))
+    worst: float = max(max(stages), max(tables.transmit[a, b] for a, b in zip(path, path[1:])))
+    return worst
 
 
 def _best_for_m(tables: _Tables, micro_batches: int) -> tuple[float, _Solution] | None:
@@ -250,10 +246,11 @@ def _plan_pipeline(cluster: Cluster, nodes: list[NodeSpec]) -> Pipeline | None:
     stages, start = [], 0
     for j in sol.order:
         k = sol.layers[j]
-        stages.append(Stage(nodes[j].id, start, start + k, offload_fraction(cluster, nodes[j], k)))
+        stages.append(Stage(node=nodes[j].id, span=Span(start, start + k),
+                            offload_fraction=offload_fraction(cluster, nodes[j], k) or 0.0))
         start += k
-    step = step_ms(cluster, [(s.node, s.end - s.start) for s in stages], M)  # priced by the shared model
-    return Pipeline(tuple(stages), M, step, tokens_per_s(cluster, step))
+    step = step_ms(cluster, [(s.node, len(s.span)) for s in stages], M)  # priced by the shared model
+    return Pipeline(stages=tuple(stages), micro_batches=M, step_ms=step, tokens_per_s=tokens_per_s(cluster, step))
 
 
 def _shortlist(cluster: Cluster, nodes: list[NodeSpec], keep: int) -> list[NodeSpec]:
@@ -286,17 +283,19 @@ def plan(cluster: Cluster, exact_max_nodes: int | None = None, replicas: bool = 
     objective = cluster.workload.objective
     if exact_max_nodes is None:
         exact_max_nodes = EXACT_MAX_NODES[objective]
-    usable, excluded = [], []
+    usable: list[NodeSpec] = []
+    excluded: list[Exclusion] = []
     for node in cluster.nodes:
         if stage_ms(cluster, node, 1, 1) is None:
-            excluded.append((node.id, "cannot hold one layer: not enough memory"))
+            excluded.append(Exclusion(node.id, "cannot hold one layer: not enough memory"))
         else:
             usable.append(node)
     exact = len(usable) <= exact_max_nodes
     pipelines: list[Pipeline] = []
     pool = usable
     while pool:
-        candidates = pool if len(pool) <= exact_max_nodes else _shortlist(cluster, pool, min(exact_max_nodes, HEURISTIC_SHORTLIST[objective]))
+        candidates = pool if len(pool) <= exact_max_nodes else \
+            _shortlist(cluster, pool, min(exact_max_nodes, HEURISTIC_SHORTLIST[objective]))
         pipeline = _plan_pipeline(cluster, candidates)
         if pipeline is None:
             break
@@ -314,11 +313,8 @@ def plan(cluster: Cluster, exact_max_nodes: int | None = None, replicas: bool = 
         if node.id not in used:
             reachable = math.isfinite(cluster.rtt(cluster.entry.id, node.id)) or any(
                 math.isfinite(cluster.rtt(node.id, other.id)) for other in cluster.nodes if other is not node)
-            excluded.append((node.id, "no RTT measurement to any peer" if not reachable
-                             else "leaving it out is faster" if exact else "not among the most promising nodes"))
+            why = "no RTT measurement to any peer" if not reachable else \
+                "leaving it out is faster" if exact else "not among the most promising nodes"
+            excluded.append(Exclusion(node.id, why))
     return Plan(cluster.workload.objective, tuple(pipelines), tuple(excluded), (time.perf_counter() - t0) * 1e3,
                 exact)
-
-
-def with_workload(cluster: Cluster, **changes) -> Cluster:
-    return replace(cluster, workload=replace(cluster.workload, **changes))

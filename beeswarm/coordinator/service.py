@@ -14,7 +14,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import trio
 
@@ -22,13 +22,15 @@ from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.planner import PlanError, plan
-from beeswarm.p2p import wire
-from beeswarm.p2p.membership import Membership, NodeInfo
+from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node
+from beeswarm.protocol import Decoder, Message, ids
+from beeswarm.protocol.coordinator import LeaseBeat, Pipeline, PlanState, SignedPlan, assignments
+from beeswarm.protocol.membership import NodeInfo
 
 log = logging.getLogger(__name__)
 
-TOPIC = "coordinator"
+_messages: Decoder[LeaseBeat | SignedPlan] = Decoder(LeaseBeat, SignedPlan)
 DEFAULT_LINK = (50.0, 100.0, 100.0)  # rtt ms, up, down Mbit/s assumed until a probe measures the pair
 
 
@@ -40,14 +42,15 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
     nodes = []
     for peer, info in sorted(members.items()):
         b = info.bench
-        if info.role != "contributor" or info.state in ("paused", "leaving") or "layer_ms_base" not in b:
+        base = b.get("layer_ms_base")  # a peer may send null: such a node is not benchmarked yet
+        if info.role != "contributor" or info.state in ("paused", "leaving") or base is None:
             continue
         rtts = {other: link[0] for other, link in info.links.items()}
         up = statistics.median([v[1] for v in info.links.values()]) if info.links else DEFAULT_LINK[1]
         down = statistics.median([v[2] for v in info.links.values()]) if info.links else DEFAULT_LINK[2]
         nodes.append(NodeSpec(
             id=peer, mem_bytes=info.memory_bytes, host_mem_bytes=int(b.get("host_mem_bytes") or 0),
-            layer_ms_base=float(b["layer_ms_base"]), layer_ms_per_token=float(b.get("layer_ms_per_token") or 0),
+            layer_ms_base=float(base), layer_ms_per_token=float(b.get("layer_ms_per_token") or 0),
             offload_gbps=b.get("offload_gbps"), up_mbps=up, down_mbps=down, rtt_ms=rtts))
     ids = {n.id for n in nodes}
     # Pairs nobody probed yet get the default link, so a young swarm can still be planned.
@@ -56,27 +59,23 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
     return Cluster(model, workload, Entry("entry", entry_rtt, DEFAULT_LINK[1], DEFAULT_LINK[2]), tuple(nodes))
 
 
-def _spans(pipelines: list[dict]) -> dict[str, tuple[int, int]]:
-    return {s["node"]: (s["start"], s["end"]) for p in pipelines for s in p["stages"]}
-
-
-def pipelines_tokens_per_s(cluster: Cluster, pipelines: list[dict]) -> float | None:
+def pipelines_tokens_per_s(cluster: Cluster, pipelines: tuple[Pipeline, ...]) -> float | None:
     """Tokens/s of `pipelines` priced on `cluster` (None if a node is gone or its span no longer fits)."""
-    ids = {n.id for n in cluster.nodes}
+    nodes = {n.id for n in cluster.nodes}
     total = 0.0
     for p in pipelines:
-        stages = [(s["node"], s["end"] - s["start"]) for s in p["stages"]]
-        if any(node not in ids for node, _ in stages):
+        stages = [(s.node, len(s.span)) for s in p.stages]
+        if any(node not in nodes for node, _ in stages):
             return None
-        step = step_ms(cluster, stages, p["micro_batches"])
+        step = step_ms(cluster, stages, p.micro_batches)
         if step == float("inf"):
             return None
         total += tokens_per_s(cluster, step)
     return total or None
 
 
-def next_assignment(cluster: Cluster, new: list[dict], new_tokens_per_s: float, state: PlanState,
-                    view: dict[str, NodeInfo], threshold: float) -> tuple[list[dict], list[dict]]:
+def next_assignment(cluster: Cluster, new: tuple[Pipeline, ...], new_tokens_per_s: float, state: PlanState,
+                    view: dict[str, NodeInfo], threshold: float) -> tuple[tuple[Pipeline, ...], tuple[Pipeline, ...]]:
     """(active, target) after a re-plan.
 
     The current target is kept unless the new plan is better by `threshold`. A changed target starts
@@ -87,31 +86,23 @@ def next_assignment(cluster: Cluster, new: list[dict], new_tokens_per_s: float, 
     kept = pipelines_tokens_per_s(cluster, current) if current else None
     target = current if kept is not None and new_tokens_per_s <= kept * (1 + threshold) else new
     loaded = all(view.get(node) is not None and view[node].layers == span and view[node].state == "serving"
-                 for node, span in _spans(target).items())
+                 for node, span in assignments(target).items())
     active = state.active
     if loaded or pipelines_tokens_per_s(cluster, active) is None:
         active = target
     return active, target
 
 
-@dataclass
-class PlanState:
-    """What followers act on: nodes load `target` spans; clients route over `active` pipelines."""
-
-    term: int = 0
-    epoch: int = 0
-    active: list[dict] = field(default_factory=list)
-    target: list[dict] = field(default_factory=list)
-    excluded: list[dict] = field(default_factory=list)
-
-
 class CoordinatorService:
+    """Nothing starts until `start()`; `clock` (monotonic seconds) is injectable for tests."""
+
     def __init__(self, node: Node, members: Membership, model: ModelShape, workload: Workload | None = None,
-                 interval: float = 3.0, eligible: bool = True, replan_threshold: float = 0.10):
-        self.node, self.members, self.model = node, members, model
+                 interval: float = 3.0, eligible: bool = True, replan_threshold: float = 0.10,
+                 clock: Callable[[], float] = time.monotonic):
+        self.node, self.members, self.model, self.clock = node, members, model, clock
         self.workload = workload or Workload()
         self.interval, self.replan_threshold = interval, replan_threshold
-        self.election = Election(node.peer_id, interval, eligible)
+        self.election = Election(node.peer_id, interval, eligible, clock)
         self.state = PlanState()
         self.listeners: list[Callable[[PlanState], None]] = []
         self.ignored_plans = 0
@@ -119,10 +110,10 @@ class CoordinatorService:
         self._dirty = True
         self._last_beat = 0.0
         self._planned_members: list[str] | None = None
-        self._planned_input: tuple | None = None  # (cluster, members, term, epoch) the last planning ran on
+        self._planned_input: tuple[Cluster, list[str], int, int] | None = None  # what the last planning ran on
 
     def start(self) -> None:
-        self.node.subscribe(self.node.topic(TOPIC), self._on_message)
+        self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
         self.members.listeners.append(lambda event, info: self.mark_dirty())
         self.node.add_task(self._loop)
 
@@ -139,14 +130,13 @@ class CoordinatorService:
         self._dirty = True
 
     # messages ---------------------------------------------------------------------------------
-    def _on_message(self, author: str, msg: dict) -> None:
-        if msg["t"] == "lease":
-            wire.expect(msg, "lease", term=int, epoch=int)
+    def _on_message(self, author: str, msg: LeaseBeat | SignedPlan) -> None:
+        if isinstance(msg, LeaseBeat):
             was_leader = self.is_leader
             with self._lock:
-                self.election.observe(Lease(msg["term"], author, msg["epoch"]))
+                self.election.observe(Lease(msg.term, author, msg.epoch))
             if was_leader and not self.is_leader:
-                log.info("stepping down: %s leads term %d", author, msg["term"])
+                log.info("stepping down: %s leads term %d", author, msg.term)
             return
         signed = plans.verify(msg, author)  # ProtocolError (bad form or signature) strikes the author
         lease = self.election.current
@@ -157,10 +147,8 @@ class CoordinatorService:
             return
         self._apply(signed)
 
-    def _apply(self, signed: plans.SignedPlan) -> None:
-        p = signed.plan
-        self.state = PlanState(signed.term, signed.epoch, list(p.get("active", [])), list(p.get("target", [])),
-                               list(p.get("excluded", [])))
+    def _apply(self, state: PlanState) -> None:
+        self.state = state
         for listener in list(self.listeners):
             try:
                 listener(self.state)
@@ -177,32 +165,29 @@ class CoordinatorService:
             if claim is not None:
                 log.info("claimed coordinator lease, term %d", claim.term)
                 self._dirty, self._last_beat = True, 0.0
-            now = time.monotonic()
-            if self.is_leader:
+            now = self.clock()
+            lease = self.election.current
+            if lease is not None and self.is_leader:
                 if now - self._last_beat >= self.interval:
-                    lease = self.election.current
-                    await self._publish(wire.message("lease", term=lease.term, epoch=lease.epoch))
+                    await self._publish(LeaseBeat(term=lease.term, epoch=lease.epoch))
                     self._last_beat = now
-                if (self._dirty or self._migrating()) and now - last_replan >= self.interval / 2:
+                if (self._dirty or self.state.migrating()) and now - last_replan >= self.interval / 2:
                     self._dirty, last_replan = False, now
                     await self._replan()
             await trio.sleep(min(0.25, self.interval / 4))
 
-    async def _publish(self, msg: dict) -> None:
+    async def _publish(self, msg: Message) -> None:
         try:
-            await self.node._pubsub.publish(self.node.topic(TOPIC), wire.pack(msg))
+            await self.node.publish_async(self.node.topic(ids.COORDINATOR_TOPIC), msg)
         except Exception as e:  # noqa: BLE001 - no peers yet
             log.debug("coordinator publish failed: %s", e)
-
-    def _migrating(self) -> bool:
-        return _spans(self.state.target) != _spans(self.state.active)
 
     async def _replan(self) -> None:
         view = {**self.members.view(), self.node.peer_id: self.members.info}
         cluster = cluster_from_members(view, self.model, self.workload)
         members = sorted(view)
         given = lambda: (cluster, members, self.state.term, self.state.epoch)  # noqa: E731
-        if not cluster.nodes or given() == self._planned_input and not self._migrating():
+        if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
             return  # nothing the plan depends on changed (heartbeats also carry figures it ignores, like load)
         try:
             await self._plan(cluster, view, members)
@@ -215,15 +200,17 @@ class CoordinatorService:
         except PlanError as e:
             log.warning("cannot plan the swarm yet: %s", e)
             return
-        new = result.to_json()
-        active, target = next_assignment(cluster, new["pipelines"], result.tokens_per_s, self.state, view,
+        active, target = next_assignment(cluster, result.pipelines, result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
-        body = {"objective": new["objective"], "active": active, "target": target, "excluded": new["excluded"]}
-        if body["active"] == self.state.active and body["target"] == self.state.target and \
-                members == self._planned_members:
+        if active == self.state.active and target == self.state.target and members == self._planned_members:
             return  # every membership change gets a new epoch, even when the assignments stay
+        with self._lock:  # the lease may have been lost while planning ran in its thread: re-check
+            lease = self.election.next_epoch() if self.is_leader else None
+        if lease is None:
+            log.info("lost the lease while planning: the plan is not published")
+            return
         self._planned_members = members
-        epoch = self.election.next_epoch()
-        signed = plans.SignedPlan(self.election.current.term, epoch, self.node.peer_id, body)
-        await self._publish(plans.sign(self.node.identity.key_pair, signed))
-        self._apply(signed)
+        state = PlanState(term=lease.term, epoch=lease.epoch, coordinator=self.node.peer_id,
+                          objective=result.objective, active=active, target=target, excluded=result.excluded)
+        await self._publish(plans.sign(self.node.identity.key_pair, state))
+        self._apply(state)

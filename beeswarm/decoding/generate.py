@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from beeswarm.client.sampling import SamplingParams, sample
+from beeswarm.decoding.sampling import SamplingParams, sample
 
 # (new token ids (q,), start position) -> logits (q, vocab) for those tokens
 Forward = Callable[[torch.Tensor, int], torch.Tensor]

@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from beeswarm.p2p import wire
+from beeswarm.protocol import ProtocolError
 
 if TYPE_CHECKING:
     from beeswarm.p2p.node import Node
+
+log = logging.getLogger(__name__)
 
 CHANNEL_BUFFER_LIMIT = 1024 * 1024 * 1024
 
@@ -34,10 +38,10 @@ class Channel:
 
     Set `on_frame` (before frames arrive, e.g. in the channel handler) to take each frame in the
     node's loop instead of buffering it for `recv`: one thread hand-off less per message. It must
-    return quickly; raising `wire.ProtocolError` counts against the peer.
+    return quickly; raising `ProtocolError` counts against the peer.
     """
 
-    def __init__(self, node: Node, stream, peer: str, protocol: str, limit: int):
+    def __init__(self, node: Node, stream: Any, peer: str, protocol: str, limit: int):
         self.node, self.peer, self.protocol, self.limit = node, peer, protocol, limit
         self.on_frame: Callable[[Channel, bytes], None] | None = None
         self._stream = stream
@@ -48,31 +52,32 @@ class Channel:
         self._send_lock = trio.Lock()
 
     # trio side --------------------------------------------------------------------------------
-    async def _reader(self) -> None:
+    async def run_reader(self) -> None:
+        """In the node's loop, for the channel's lifetime: drain the stream into `on_frame` or the buffer."""
         frames = wire.FrameReader(self._stream, self.limit)
         try:
             while True:
                 body = await frames.next()
                 if body is None:
-                    raise wire.ProtocolError("stream ended")
+                    raise ProtocolError("stream ended")
                 if self.on_frame is not None:
                     try:
                         self.on_frame(self, body)
-                    except wire.ProtocolError as e:
-                        self.node._strike(self.peer, f"{self.protocol}: {e}")
+                    except ProtocolError as e:
+                        self.node.strike(self.peer, f"{self.protocol}: {e}")
                     continue
                 with self._cond:
                     if self._buffered + len(body) > CHANNEL_BUFFER_LIMIT:
-                        raise wire.ProtocolError("peer outran the channel buffer")
+                        raise ProtocolError("peer outran the channel buffer")
                     self._frames.append(body)
                     self._buffered += len(body)
                     self._cond.notify_all()
-        except wire.ProtocolError as e:
+        except ProtocolError as e:
             if "stream ended" not in str(e):
-                self.node._strike(self.peer, f"{self.protocol}: {e}")
-            self._mark_closed(str(e))
+                self.node.strike(self.peer, f"{self.protocol}: {e}")
+            self.mark_closed(str(e))
         except Exception as e:  # noqa: BLE001 - resets, EOF, connection loss
-            self._mark_closed(f"{type(e).__name__}: {e}")
+            self.mark_closed(f"{type(e).__name__}: {e}")
         finally:
             with trio.CancelScope(shield=True):
                 await quiet_reset(self._stream)
@@ -81,7 +86,7 @@ class Channel:
         async with self._send_lock:
             await wire.write_frame(self._stream, body)
 
-    def _mark_closed(self, why: str) -> None:
+    def mark_closed(self, why: str) -> None:
         with self._cond:
             if self._closed is None:
                 self._closed = why or "closed"
@@ -94,9 +99,9 @@ class Channel:
         if len(body) > self.limit:
             raise NodeError(f"frame of {len(body)} bytes exceeds the channel's {self.limit}-byte limit")
         try:
-            self.node._run(self._send_with_timeout, body, timeout)
-        except (wire.ProtocolError, PeerUnavailable, TimeoutError) as e:
-            self._mark_closed(str(e))
+            self.node.call(self._send_with_timeout, body, timeout)
+        except (ProtocolError, PeerUnavailable, TimeoutError) as e:
+            self.mark_closed(str(e))
             raise ChannelClosed(f"channel to {self.peer} broke: {e}") from None
 
     async def _send_with_timeout(self, body: bytes, timeout: float) -> None:
@@ -127,21 +132,54 @@ class Channel:
         return self._closed is not None and not self._frames
 
     def close(self) -> None:
-        self._mark_closed("closed locally")
+        self.mark_closed("closed locally")
         try:
-            self.node._run(quiet_reset, self._stream)
+            self.node.call(quiet_reset, self._stream)
         except NodeError:
             pass
 
 
-async def quiet_reset(stream) -> None:
+class ChannelPool:
+    """One open channel per (peer, protocol), opened again when it closed (any thread)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self._open: dict[tuple[str, str], Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, peer: str, protocol: str) -> Channel:
+        with self._lock:
+            channel = self._open.get((peer, protocol))
+        if channel is None or channel.closed:
+            channel = self.node.open_channel(peer, protocol)
+            with self._lock:
+                self._open[(peer, protocol)] = channel
+        return channel
+
+    def send(self, peer: str, protocol: str, body: bytes) -> None:
+        """Send on the pooled channel; a channel that broke is forgotten (raises NodeError)."""
+        try:
+            self.get(peer, protocol).send(body)
+        except NodeError:
+            with self._lock:
+                self._open.pop((peer, protocol), None)
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._open = list(self._open.values()), {}
+        for channel in channels:
+            channel.close()
+
+
+async def quiet_reset(stream: Any) -> None:
     try:
         await stream.reset()
     except Exception:  # noqa: BLE001 - already gone
         pass
 
 
-async def within(timeout: float, what: str, fn: Callable, *args):
+async def within(timeout: float, what: str, fn: Callable[..., Any], *args: Any) -> Any:
     """Await fn(*args) within `timeout`; any failure becomes PeerUnavailable naming `what`."""
     try:
         with trio.fail_after(timeout):
@@ -152,7 +190,7 @@ async def within(timeout: float, what: str, fn: Callable, *args):
         raise PeerUnavailable(f"{what}: {e}") from None
 
 
-async def close_stream(stream) -> None:
+async def close_stream(stream: Any) -> None:
     try:
         await stream.close()
     except Exception:  # noqa: BLE001

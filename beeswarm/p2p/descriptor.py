@@ -72,7 +72,8 @@ def fetch(url: str, retries: int = RETRIES) -> SwarmDescriptor:
 
 def resolve_join(join: list[str]) -> tuple[list[str], SwarmDescriptor | None]:
     """Bootstrap multiaddrs from `--join` values (multiaddrs, or one http(s) descriptor URL)."""
-    addrs, descriptor = [], None
+    addrs: list[str] = []
+    descriptor: SwarmDescriptor | None = None
     for value in join:
         if value.startswith(("http://", "https://")):
             descriptor = fetch(value)

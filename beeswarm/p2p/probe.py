@@ -7,16 +7,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from beeswarm.p2p import wire
 from beeswarm.p2p.node import Channel, ChannelClosed, Node
+from beeswarm.protocol import Decoder, ProtocolError, encode, ids
+from beeswarm.protocol.probe import MAX_BULK, Download, Ping, Pong, Upload, Uploaded
+
+if TYPE_CHECKING:
+    from beeswarm.p2p.membership import Membership
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "/beeswarm/probe/1"
 DEFAULT_BULK = 4 * 1024 * 1024
-MAX_BULK = 64 * 1024 * 1024
 PROBE_PARTS = 3  # pings, upload, download
+_requests: Decoder[Ping | Upload | Download] = Decoder(Ping, Upload, Download)
+_replies: Decoder[Pong | Uploaded] = Decoder(Pong, Uploaded)
 
 
 @dataclass(frozen=True)
@@ -36,25 +41,19 @@ def _serve_one(channel: Channel) -> None:
     """Answer pings and bulk transfers on one probe channel until it closes."""
     try:
         while True:
-            msg = wire.unpack(channel.recv(timeout=30))
-            if msg["t"] == "ping":
-                channel.send(wire.pack(wire.message("pong")))
-            elif msg["t"] == "upload":  # the payload frame follows
-                n = wire.expect(msg, "upload", bytes=int)["bytes"]
-                if len(channel.recv(timeout=60)) != n:
-                    raise wire.ProtocolError("upload size differs from the announced one")
-                channel.send(wire.pack(wire.message("uploaded")))
-            elif msg["t"] == "download":
-                n = wire.expect(msg, "download", bytes=int)["bytes"]
-                if not 0 <= n <= MAX_BULK:
-                    raise wire.ProtocolError(f"download of {n} bytes is outside 0..{MAX_BULK}")
-                channel.send(bytes(n))
+            msg = _requests.decode(channel.recv(timeout=30))
+            if isinstance(msg, Ping):
+                channel.send(encode(Pong()))
+            elif isinstance(msg, Upload):  # the payload frame follows
+                if len(channel.recv(timeout=60)) != msg.bytes:
+                    raise ProtocolError("upload size differs from the announced one")
+                channel.send(encode(Uploaded()))
             else:
-                raise wire.ProtocolError(f"unknown probe message {msg['t']!r}")
+                channel.send(bytes(msg.bytes))
     except (ChannelClosed, TimeoutError):
         pass
-    except wire.ProtocolError as e:
-        channel.node._run_sync(channel.node._strike, channel.peer, f"probe: {e}")
+    except ProtocolError as e:
+        channel.node.strike(channel.peer, f"probe: {e}")
     finally:
         channel.close()
 
@@ -66,9 +65,13 @@ class Prober:
         self.node, self.max_age_s = node, max_age_s
         self._cache: dict[str, LinkProbe] = {}
         self._lock = threading.Lock()
-        node.serve_channel(PROTOCOL, lambda ch: threading.Thread(target=_serve_one, args=(ch,), daemon=True,
-                                                                 name="probe-serve").start(),
-                           limit=MAX_BULK + 1024)
+
+    def start(self) -> Prober:
+        """Answer other nodes' probes."""
+        self.node.serve_channel(ids.PROBE, lambda ch: threading.Thread(target=_serve_one, args=(ch,), daemon=True,
+                                                                      name="probe-serve").start(),
+                                limit=MAX_BULK + 1024)
+        return self
 
     def cached(self, peer: str) -> LinkProbe | None:
         with self._lock:
@@ -79,7 +82,7 @@ class Prober:
         with self._lock:
             return dict(self._cache)
 
-    def report_links(self, members, every_s: float = 60.0, bulk_bytes: int = DEFAULT_BULK,
+    def report_links(self, members: Membership, every_s: float = 60.0, bulk_bytes: int = DEFAULT_BULK,
                      stop: threading.Event | None = None,
                      on_progress: Callable[[str, int, int, str | None], None] | None = None) -> threading.Thread:
         """Probe every member in a background thread and publish the figures in this node's heartbeat.
@@ -96,10 +99,13 @@ class Prober:
                     hit = self.cached(peer)
                     if stop.is_set() or hit is not None and hit.age_s < every_s:
                         continue
+
+                    def part_done(done: int, p: str = peer) -> None:
+                        report(p, done, PROBE_PARTS, None)
+
                     try:
                         report(peer, 0, PROBE_PARTS, None)
-                        self.probe(peer, bulk_bytes=bulk_bytes, refresh=True,
-                                   on_part=lambda done, p=peer: report(p, done, PROBE_PARTS, None))
+                        self.probe(peer, bulk_bytes=bulk_bytes, refresh=True, on_part=part_done)
                     except Exception as e:  # noqa: BLE001 - a peer that went away, or our node stopping
                         log.debug("probe of %s failed: %s", peer, e)
                         report(peer, 0, PROBE_PARTS, str(e) or type(e).__name__)
@@ -117,24 +123,24 @@ class Prober:
         """RTT, then upload, then download (`on_part(n)` after each of the PROBE_PARTS parts)."""
         if not refresh and (hit := self.cached(peer)) is not None:
             return hit
-        channel = self.node.open_channel(peer, PROTOCOL, limit=MAX_BULK + 1024)
+        channel = self.node.open_channel(peer, ids.PROBE, limit=MAX_BULK + 1024)
         try:
             rtts = []
             for _ in range(pings):
                 t = time.perf_counter()
-                channel.send(wire.pack(wire.message("ping")))
-                channel.recv(timeout=10)
+                channel.send(encode(Ping()))
+                _replies.decode(channel.recv(timeout=10))
                 rtts.append((time.perf_counter() - t) * 1e3)
             rtt = statistics.median(rtts)
             on_part(1)
             t = time.perf_counter()
-            channel.send(wire.pack(wire.message("upload", bytes=bulk_bytes)))
+            channel.send(encode(Upload(bytes=bulk_bytes)))
             channel.send(bytes(bulk_bytes), timeout=120)
-            channel.recv(timeout=120)
+            _replies.decode(channel.recv(timeout=120))
             up_s = time.perf_counter() - t
             on_part(2)
             t = time.perf_counter()
-            channel.send(wire.pack(wire.message("download", bytes=bulk_bytes)))
+            channel.send(encode(Download(bytes=bulk_bytes)))
             channel.recv(timeout=120)
             down_s = time.perf_counter() - t
             on_part(3)

@@ -1,70 +1,16 @@
-"""Framing and message encoding on streams: u32 length + msgpack map with a type and a version.
+"""Framing on streams: a u32 big-endian length, then the body (a message or a tensor frame).
 
-Nothing a peer sends is executed or unpickled: msgpack yields only plain data (ext types are
-refused), every frame is size-checked before it is read, and `expect` checks the fields a handler
-uses before the handler sees the message.
+Every frame's declared length is checked against the reader's limit before its body is read.
+What a body holds is `beeswarm.protocol`'s business.
 """
 from __future__ import annotations
 
 import struct
 from typing import Any
 
-import msgpack
+from beeswarm.protocol import ProtocolError
 
-CONTROL_LIMIT = 64 * 1024
-TENSOR_LIMIT = 256 * 1024 * 1024
-VERSION = 1
 _LEN = struct.Struct(">I")
-
-
-class ProtocolError(Exception):
-    """A peer sent something malformed, oversized or unexpected."""
-
-
-class RemoteError(Exception):
-    """The peer answered a request with an error reply."""
-
-
-def _no_ext(code: int, data: bytes):
-    raise ProtocolError(f"msgpack extension type {code} is not accepted")
-
-
-def pack(msg: dict[str, Any]) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(data: bytes, limit: int = CONTROL_LIMIT) -> dict[str, Any]:
-    if len(data) > limit:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the {limit}-byte limit")
-    try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except ProtocolError:
-        raise
-    except Exception as e:  # noqa: BLE001 - msgpack raises many types on garbage
-        raise ProtocolError(f"undecodable message ({type(e).__name__})") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or msg.get("v") != VERSION:
-        raise ProtocolError("message is not a map with a string type 't' and version 'v' = 1")
-    return msg
-
-
-def message(kind: str, **fields: Any) -> dict[str, Any]:
-    return {"t": kind, "v": VERSION, **fields}
-
-
-def error(text: str) -> dict[str, Any]:
-    return message("error", error=text[:1000])
-
-
-def expect(msg: dict[str, Any], kind: str | tuple[str, ...], **fields: type | tuple[type, ...]) -> dict[str, Any]:
-    """Check the type and the named fields' types; raise ProtocolError naming what is wrong."""
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if msg.get("t") not in kinds:
-        raise ProtocolError(f"unexpected message type {msg.get('t')!r}, expected {'/'.join(kinds)}")
-    for name, typ in fields.items():
-        value = msg.get(name)
-        if not isinstance(value, typ) or (isinstance(value, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,))):
-            raise ProtocolError(f"field {name!r} of {msg['t']!r} is missing or not {getattr(typ, '__name__', typ)}")
-    return msg
 
 
 class FrameReader:
@@ -72,7 +18,7 @@ class FrameReader:
 
     CHUNK = 256 * 1024
 
-    def __init__(self, stream, limit: int):
+    def __init__(self, stream: Any, limit: int):
         self.stream, self.limit = stream, limit
         self._buf = bytearray()
 
@@ -105,10 +51,10 @@ class FrameReader:
         return body
 
 
-async def read_frame(stream, limit: int) -> bytes:
+async def read_frame(stream: Any, limit: int) -> bytes:
     """One frame from a stream read only for it (streams carrying many frames keep a FrameReader)."""
     return await FrameReader(stream, limit).expect()
 
 
-async def write_frame(stream, body: bytes) -> None:
+async def write_frame(stream: Any, body: bytes) -> None:
     await stream.write(_LEN.pack(len(body)) + body)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.client.generate import Generation
-from beeswarm.client.sampling import SamplingParams, sample
+from beeswarm.decoding.generate import Generation
+from beeswarm.decoding.sampling import SamplingParams, sample
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tree import ROOT
 from beeswarm.spec.tuner import MAX_TREE_NODES, CostMeter, TreeShape, Tuner

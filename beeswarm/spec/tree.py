@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.decoding.sampling import SamplingParams, probabilities
 from beeswarm.spec.tuner import TreeShape
 
 ROOT = -1

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.client.sampling import SamplingParams, probabilities
+from beeswarm.decoding.sampling import SamplingParams, probabilities
 from beeswarm.spec.tree import ROOT, DraftTree
 
 # node (ROOT: the last committed token) -> the target's logits for the token after it
@@ -62,6 +62,7 @@ def verify_sampling(tree: DraftTree, target_logits: TargetLogits, params: Sampli
         q = tree.dists.get(node)
         accepted = None
         for i, x in enumerate(tree.candidates.get(node, [])):
+            assert q is not None, "a node's candidates are drawn from its distribution: both are stored"
             u = float(torch.rand((), generator=generator))
             ok = u * float(q[x]) < float(p[x])
             verdict.trials.append((depth, i, ok))
@@ -76,6 +77,8 @@ def verify_sampling(tree: DraftTree, target_logits: TargetLogits, params: Sampli
         if accepted is None:
             verdict.bonus = int(torch.multinomial(p, 1, generator=generator))
             return verdict
-        node = tree.child(node, accepted)
+        child = tree.child(node, accepted)
+        assert child is not None, "every candidate is added to the tree as a child of its node"
+        node = child
         verdict.path.append(node)
         depth += 1

@@ -57,6 +57,7 @@ class ChatApp(App):
             self.set_interval(2.0, self._refresh_swarm)
 
     def _refresh_swarm(self) -> None:
+        assert self.swarm_rows is not None, "scheduled by on_mount only when there is a swarm panel"
         self.query_one(SwarmPanel).show(self.swarm_rows())
 
     # input -----------------------------------------------------------------------------------------
@@ -91,8 +92,8 @@ class ChatApp(App):
                 self._set(speculating=self.session.speculating, accepted_per_round=None)
                 transcript.add_note(f"(speculative decoding {arg})")
             elif name == "/route":
-                route = self.last_reply.route if self.last_reply else []
-                transcript.add_note("\n".join(f"layers [{a}, {b}) on {peer}" for peer, a, b in route)
+                route = self.last_reply.route if self.last_reply else ()
+                transcript.add_note("\n".join(f"layers {s.span} on {s.node}" for s in route)
                                     or "(no reply yet)")
             elif name == "/help":
                 transcript.add_note(HELP)

@@ -8,6 +8,7 @@ from textual.widgets import Sparkline, Static
 from beeswarm.contributor.status import ServingFigures
 from beeswarm.tui.widgets.units import size
 
+
 class ServingPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(id="serving-figures")

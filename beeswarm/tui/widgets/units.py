@@ -1,6 +1,8 @@
 """Figures as people read them: sizes in B/KiB/MiB/GiB, optional numbers as '-'."""
 from __future__ import annotations
 
+from beeswarm.protocol.spans import Span
+
 
 def size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -14,5 +16,5 @@ def num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def span(layers: tuple[int, int] | None) -> str:
-    return "-" if layers is None else f"[{layers[0]}, {layers[1]})"
+def span(layers: Span | None) -> str:
+    return "-" if layers is None else str(layers)

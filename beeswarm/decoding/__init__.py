@@ -1,0 +1,1 @@
+"""Decoding over any forward function: sampling and the plain generation loop (torch, no networking)."""

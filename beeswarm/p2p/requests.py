@@ -1,0 +1,128 @@
+"""Request/response over reused streams: typed handlers on the serving side, a stream pool on the asking side.
+
+Clients keep up to MAX_IDLE_STREAMS idle streams per (peer, protocol): opening one costs ~3 ms.
+A request that fails to parse strikes its sender and gets an error reply; a handler that raises
+answers "internal error" and the node keeps serving.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from beeswarm.p2p import wire
+from beeswarm.p2p.channel import NodeError, PeerUnavailable, close_stream, quiet_reset
+from beeswarm.protocol import CONTROL_LIMIT, Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode
+
+if TYPE_CHECKING:
+    from beeswarm.p2p.node import Node
+
+log = logging.getLogger(__name__)
+
+REQUEST_READ_TIMEOUT_S = 30.0
+IDLE_STREAM_S = 60.0  # a reused request stream idle this long is closed by the server
+MAX_IDLE_STREAMS = 4  # per (peer, protocol)
+
+# (peer id, request) -> reply; a sync handler runs in a worker thread, an async one in the node's loop
+Handler = Callable[[str, Any], Message] | Callable[[str, Any], Awaitable[Message]]
+
+
+class Requests:
+    def __init__(self, node: Node):
+        self.node = node
+        self._idle: dict[tuple[str, str], list[tuple[Any, wire.FrameReader]]] = {}
+
+    def forget(self, peer: str) -> None:
+        """Drop pooled streams to a peer that disconnected."""
+        for key in [k for k in self._idle if k[0] == peer]:
+            del self._idle[key]
+
+    # serving ----------------------------------------------------------------------------------
+    async def serve_stream(self, protocol: str, handler: Handler, requests: Decoder[Any], stream: Any) -> None:
+        """Serve requests on one stream until the peer closes it."""
+        peer = str(stream.muxed_conn.peer_id)
+        try:
+            if not await self.node.gate.admit(peer):
+                return
+            first, frames = True, wire.FrameReader(stream, requests.limit)
+            while True:
+                try:
+                    with trio.fail_after(REQUEST_READ_TIMEOUT_S if first else IDLE_STREAM_S):
+                        body = await frames.next()
+                        if body is None:
+                            return  # the client closed its end: done
+                        msg = requests.decode(body)
+                except trio.TooSlowError:
+                    if first:
+                        self.node.strike(peer, f"{protocol}: request too slow")
+                    return
+                except ProtocolError as e:
+                    self.node.strike(peer, f"{protocol}: {e}")
+                    await wire.write_frame(stream, encode(ErrorReply(error=f"bad request: {e}")))
+                    return
+                first = False
+                await wire.write_frame(stream, encode(await self._handle(protocol, handler, peer, msg)))
+        except Exception as e:  # noqa: BLE001 - the peer went away mid-request
+            log.debug("request stream %s from %s: %s", protocol, peer, e)
+        finally:
+            await close_stream(stream)
+
+    async def _handle(self, protocol: str, handler: Handler, peer: str, msg: Message) -> Message:
+        try:
+            if inspect.iscoroutinefunction(handler):
+                return await handler(peer, msg)
+            return await trio.to_thread.run_sync(handler, peer, msg)  # type: ignore[arg-type]
+        except ProtocolError as e:
+            self.node.strike(peer, f"{protocol}: {e}")
+            return ErrorReply(error=str(e))
+        except Exception:  # noqa: BLE001 - a handler bug must not take the node down
+            log.exception("handler for %s failed on a request from %s", protocol, peer)
+            return ErrorReply(error="internal error")
+
+    # asking -----------------------------------------------------------------------------------
+    async def request(self, peer: str, protocol: str, body: bytes, replies: Decoder[Any], timeout: float) -> Any:
+        """The decoded reply to `body`; an ErrorReply raises RemoteError."""
+        key = (peer, protocol)
+        try:
+            with trio.fail_after(timeout):
+                while True:
+                    pooled = self._idle.get(key)
+                    from_pool = bool(pooled)
+                    if pooled:
+                        stream, frames = pooled.pop()
+                    else:
+                        stream = await self.node.open_stream(peer, protocol)
+                        frames = wire.FrameReader(stream, replies.limit)
+                    try:
+                        await wire.write_frame(stream, body)
+                        reply = replies.decode(await frames.expect())
+                    except Exception:  # noqa: BLE001
+                        await quiet_reset(stream)
+                        if from_pool:
+                            continue  # the reused stream had gone stale (idle close, peer restart): a fresh one
+                        raise
+                    idle = self._idle.setdefault(key, [])
+                    if len(idle) < MAX_IDLE_STREAMS:
+                        idle.append((stream, frames))
+                    else:
+                        await close_stream(stream)
+                    if isinstance(reply, ErrorReply):
+                        raise RemoteError(reply.error)
+                    return reply
+        except trio.TooSlowError:
+            raise TimeoutError(f"{protocol} request to {peer} timed out after {timeout} s") from None
+        except ProtocolError as e:
+            self.node.strike(peer, f"{protocol} reply: {e}")
+            raise PeerUnavailable(f"bad reply from {peer}: {e}") from None
+        except (PeerUnavailable, NodeError, RemoteError):
+            raise
+        except Exception as e:  # noqa: BLE001 - resets, refused protocol, closed connection
+            raise PeerUnavailable(f"{protocol} to {peer}: {type(e).__name__}: {e}") from None
+
+
+def reply_decoder(*types: type[Message], limit: int = CONTROL_LIMIT) -> Decoder[Any]:
+    """Replies of these types, or an error reply."""
+    return Decoder(*types, ErrorReply, limit=limit)

@@ -1,0 +1,72 @@
+"""The coordinator's messages (`ids.COORDINATOR_TOPIC`): lease heartbeats and signed plans.
+
+A plan assigns each node a span: `active` pipelines are what clients route over, `target` what
+nodes load next (make-before-break). It travels signed: `SignedPlan.body` is the encoded `PlanState`.
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from beeswarm.protocol.encoding import Message
+from beeswarm.protocol.session import PeerId
+from beeswarm.protocol.spans import Span
+
+MAX_STAGES = 256
+MAX_PIPELINES = 16
+
+
+class LeaseBeat(Message, frozen=True, tag="lease"):
+    term: Annotated[int, msgspec.Meta(ge=0)]
+    epoch: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Stage(msgspec.Struct, frozen=True, kw_only=True):
+    node: PeerId
+    span: Span
+    offload_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+
+
+class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
+    stages: Annotated[tuple[Stage, ...], msgspec.Meta(min_length=1, max_length=MAX_STAGES)]
+    micro_batches: Annotated[int, msgspec.Meta(ge=1)] = 1
+    step_ms: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+class Exclusion(msgspec.Struct, frozen=True):
+    node: PeerId
+    reason: Annotated[str, msgspec.Meta(max_length=500)]
+
+
+Pipelines = Annotated[tuple[Pipeline, ...], msgspec.Meta(max_length=MAX_PIPELINES)]
+
+
+class PlanState(msgspec.Struct, frozen=True, kw_only=True):
+    """What followers act on: nodes load `target` spans; clients route over `active` pipelines."""
+
+    term: int = 0
+    epoch: int = 0
+    coordinator: PeerId = ""
+    objective: str = "latency"
+    active: Pipelines = ()
+    target: Pipelines = ()
+    excluded: Annotated[tuple[Exclusion, ...], msgspec.Meta(max_length=MAX_STAGES)] = ()
+
+    def migrating(self) -> bool:
+        return assignments(self.target) != assignments(self.active)
+
+
+class SignedPlan(Message, frozen=True, tag="plan"):
+    body: Annotated[bytes, msgspec.Meta(max_length=60_000)]  # an encoded PlanState
+    sig: Annotated[bytes, msgspec.Meta(max_length=128)]
+
+
+def assignments(pipelines: tuple[Pipeline, ...]) -> dict[str, Span]:
+    """node -> the span it serves in `pipelines` (one per node: pipelines are disjoint)."""
+    return {s.node: s.span for p in pipelines for s in p.stages}
+
+
+def stages_of(pipelines: tuple[Pipeline, ...], node: str) -> list[Stage]:
+    return [s for p in pipelines for s in p.stages if s.node == node]

@@ -1,0 +1,15 @@
+"""Protocol ids (libp2p stream protocols) and pubsub topic names."""
+from __future__ import annotations
+
+SESSION = "/beeswarm/session/1"  # request/response: open and close sessions on a stage
+STEP = "/beeswarm/step/1"  # channel: steps pushed entry -> s1 -> ... -> sN
+RESULT = "/beeswarm/result/1"  # channel: results and step errors back to the entry
+PROBE = "/beeswarm/probe/1"  # channel: link probes (pings, bulk transfers)
+AUTH = "/beeswarm/auth/1"  # request: private-swarm challenge
+
+MEMBERS_TOPIC = "members"  # heartbeats carrying NodeInfo
+COORDINATOR_TOPIC = "coordinator"  # leases and signed plans
+
+
+def topic(swarm: str, name: str) -> str:
+    return f"beeswarm/{swarm}/{name}"
