@@ -194,6 +194,7 @@ def cmd_contribute(args) -> int:
 
 def _dashboard(contributor) -> int:
     """The Textual dashboard; the log goes to its panel instead of stderr while it runs."""
+    from beeswarm.p2p.node import NodeFailed
     from beeswarm.shard.errors import ShardError
     from beeswarm.tui.dashboard_app import DashboardApp
 
@@ -210,7 +211,7 @@ def _dashboard(contributor) -> int:
         root.setLevel(level)
         for h in streams:
             root.addHandler(h)
-    if isinstance(app.failure, ShardError):
+    if isinstance(app.failure, ShardError | NodeFailed):
         raise app.failure
     if app.failure is not None:
         raise UserError(f"the contributor stopped: {app.failure}")
@@ -290,8 +291,10 @@ def _run_chat(client, entry, args, params) -> int:
     try:
         out = client.generate(ids, args.max_new_tokens, params, stop_ids(tokenizer), echo)
     except NoRoute as e:
+        client.node.raise_if_failed()  # no route because this process's node stopped: exit 1, not 2
         raise UserError(f"{e}; is the swarm up? (check --join)") from None
     except StageFailed as e:
+        client.node.raise_if_failed()
         raise UserError(f"the swarm kept failing: {e}") from None
     g = out.generation
     if args.json:
@@ -334,6 +337,50 @@ def cmd_chat(args) -> int:
         client.close()
 
 
+def cmd_status(args) -> int:
+    """The swarm at a glance: join as a client, listen until the plan is heard (or --wait), print, leave."""
+    import time
+
+    from beeswarm.client.status import SwarmObserver, Unreachable
+    from beeswarm.p2p.descriptor import DescriptorError, resolve_join
+    from beeswarm.p2p.node import NodeError
+
+    try:
+        bootstrap, _ = resolve_join(args.join)
+    except DescriptorError as e:
+        raise UserError(str(e)) from None
+    if not bootstrap:
+        raise UserError("--join MULTIADDR|URL is required: the swarm to look at")
+    if args.wait <= 0 or args.every <= 0:
+        raise UserError("--wait and --every must be positive")
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    observer = SwarmObserver.create(bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat)
+    try:
+        observer.start()
+        observer.wait(args.wait)
+        while True:
+            report = observer.report()
+            if args.json:
+                print(json.dumps(report.as_json()), flush=True)
+            else:
+                if args.watch and color:
+                    print("\033[H\033[2J", end="")  # redraw in place
+                print("\n".join(report.lines(color)), flush=True)
+            if not args.watch:
+                return 0
+            if not args.json and not color:
+                print(flush=True)
+            time.sleep(args.every)
+    except Unreachable as e:
+        raise UserError(str(e)) from None
+    except NodeError as e:
+        raise UserError(f"cannot join the swarm: {e}") from None
+    except KeyboardInterrupt:
+        return 0 if args.watch else 130
+    finally:
+        observer.close()
+
+
 def _interactive() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
@@ -348,7 +395,9 @@ def _chat_app(client, entry, args, params, side_panel: bool = False) -> int:
     session = ChatSession(client, AutoTokenizer.from_pretrained(str(entry.folder)), params, args.max_new_tokens)
     app = ChatApp(session, swarm_rows=session.swarm_rows if side_panel else None,
                   ring_ms=lambda: session.ring_ms(app.last_reply.route if app.last_reply else ()))
+    client.node.on_failure.append(lambda error: app.call_from_thread(app.exit))  # the node stopped: so does the app
     app.run()
+    client.node.raise_if_failed()
     return 0
 
 
@@ -457,6 +506,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     chat.set_defaults(func=cmd_chat)
 
+    status = sub.add_parser("status", help="the swarm at a glance: members, layer coverage, coordinator, plans")
+    status.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL", help="the swarm to look at")
+    status.add_argument("--json", action="store_true", help="print one JSON object (a line each with --watch)")
+    status.add_argument("--watch", action="store_true", help="report again every few seconds until Ctrl-C")
+    status.add_argument("--wait", type=float, default=8.0, metavar="S",
+                        help="listen at most S seconds for the coordinator's plan before the first report")
+    status.add_argument("--every", type=float, default=3.0, metavar="S", help="--watch: seconds between reports")
+    status.add_argument("--swarm-secret-env", default=None, metavar="NAME")
+    status.add_argument("--heartbeat", type=float, default=3.0, metavar="S", help=argparse.SUPPRESS)
+    status.set_defaults(func=cmd_status)
+
     plan = sub.add_parser("plan", help="plan who hosts which layers for a cluster described in JSON")
     plan.add_argument("--cluster", required=True, metavar="FILE", help="cluster JSON (see DESIGN.md), - for stdin")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -507,11 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    if args.log_level != "DEBUG":  # py-libp2p logs expected network churn at WARNING/ERROR
-        for noisy in ("libp2p", "multiaddr"):
-            logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    from beeswarm.p2p import logs
+
+    logs.setup(args.log_level)  # py-libp2p's records too: one line each, repeats summarised
     from beeswarm.shard.errors import ShardError
 
     try:
@@ -519,6 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ShardError) as e:
         print(f"beeswarm: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # NodeFailed, the p2p node stopped on an error: exit 1, so a supervisor sees it
+        node = sys.modules.get("beeswarm.p2p.node")  # not imported here: most commands never load py-libp2p
+        if node is None or not isinstance(e, node.NodeFailed):
+            raise
+        print(f"beeswarm: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -34,7 +34,7 @@ MAX_RECOVERIES = 5
 
 
 class NoRoute(Exception):
-    """No complete, loaded route through the swarm appeared in time."""
+    """No complete, loaded route through the swarm appeared in time, or the swarm cannot be reached."""
 
 
 @dataclass
@@ -49,13 +49,13 @@ class SwarmGeneration:
 
 
 def find_route(active: tuple[Pipeline, ...], view: dict[str, NodeInfo],
-               banned: Callable[[str], bool]) -> Pipeline | None:
-    """The first active pipeline whose every stage is a member serving its span and not banned.
-
-    A stage loading its next span (a migration) still serves the old one: its `spans` say so."""
+               usable: Callable[[str], bool]) -> Pipeline | None:
+    """The first active pipeline whose every stage is a member serving its span and `usable` (not
+    banned, connected). A stage loading its next span (a migration) still serves the old one: its
+    `spans` say so."""
     for pipeline in active:
         if all(s.node in view and view[s.node].state != "leaving" and s.span in view[s.node].spans
-               and not banned(s.node) for s in pipeline.stages):
+               and usable(s.node) for s in pipeline.stages):
             return pipeline
     return None
 
@@ -123,18 +123,24 @@ class SwarmClient:
         self.node.stop()
 
     def route(self, timeout: float = 60.0) -> Pipeline:
-        """A loaded, unbanned route covering every layer, from the plan's active pipelines."""
+        """A loaded, unbanned route covering every layer, from the plan's active pipelines. Waits up to
+        `timeout` for one, but fails at once when no bootstrap address can be dialled (naming each)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = self._find_route()
             if found is not None:
                 return found
+            why = self.node.unreachable()
+            if why is not None:
+                raise NoRoute(f"cannot reach the swarm: {why}")
             time.sleep(0.1)
         raise NoRoute(f"no complete route through the swarm within {timeout:.0f} s "
                       f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch})")
 
     def _find_route(self) -> Pipeline | None:
-        return find_route(self.coordinator.state.active, self.members.view(), self.node.bans.is_banned)
+        connected = set(self.node.connected_peers())  # a stage whose connection dropped is not routed into
+        return find_route(self.coordinator.state.active, self.members.view(),
+                          lambda peer: peer in connected and not self.node.bans.is_banned(peer))
 
     def _pipeline(self, route: Route) -> RemotePipeline:
         """The pipeline over `route`; pipelines over routes the active plan no longer has are closed."""

@@ -95,6 +95,7 @@ class Contributor:
         self.offload_fraction = 0.0
         self.paused = False
         self.ready = False  # node, membership, coordinator and prober are up
+        self.failure: BaseException | None = None  # why the p2p node stopped on its own (then `run()` raises)
         self._loading: Span | None = None
         self._lock = threading.Lock()
         self._progress: dict[str, Progress] = {}
@@ -116,11 +117,17 @@ class Contributor:
         return cls(identity, options, node, members, coordinator, Prober(node), say)
 
     def run(self) -> None:
-        """Serve until `stop()` (or a signal handler calling it); then leave gracefully."""
+        """Serve until `stop()` (or a signal handler calling it); then leave gracefully. Raises NodeFailed
+        if the p2p node stopped on an error (the contributor stops with it: a supervisor restarts the process)."""
         try:
             self._serve()
+            self.node.raise_if_failed()
         finally:
             self.stopped.set()
+
+    def _node_failed(self, error: BaseException) -> None:
+        self.failure = error
+        self.stopping.set()
 
     def _serve(self) -> None:
         try:
@@ -132,6 +139,7 @@ class Contributor:
         self.members.start()
         self.coordinator.start()
         self.prober.start()
+        self.node.on_failure.append(self._node_failed)
         self.node.start()
         self.prober.report_links(self.members, every_s=120, bulk_bytes=1 << 20, stop=self.stopping,
                                  on_progress=self._probe_progress)

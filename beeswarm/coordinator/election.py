@@ -53,6 +53,12 @@ class Election:
             return True
         return False
 
+    def joined(self) -> None:
+        """This node has just met the swarm: give its coordinator's heartbeats time to reach it before
+        counting their silence (a newcomer with a small id would otherwise claim a term it does not need)."""
+        if self.current is None:
+            self.last_heard = self.clock()
+
     def tick(self, candidates: set[str]) -> Lease | None:
         """Call often. Returns a new lease when this node has just claimed leadership."""
         if self.is_leader or not self.eligible:

@@ -6,6 +6,12 @@ and publishes the plan signed with its node key. Re-planning keeps the current p
 one is better by `replan_threshold`, and migrations are make-before-break: a changed plan is first
 published as a `target` while clients keep routing over the `active` one; it becomes active once
 every node of the target announces its new span loaded.
+
+Churn is damped: a membership change re-plans once the view has been quiet for SETTLE_BEATS
+intervals (or after MAX_WAIT_BEATS at the latest), so a join storm gives a few epochs, not one per
+arrival; a new epoch is published only when the assignments change. Members that join get the
+current signed plan again (the same epoch, at most once per settle), and it is repeated every
+REPUBLISH_BEATS intervals.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import trio
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Election, Lease
-from beeswarm.coordinator.planner import PlanError, plan
+from beeswarm.coordinator.planner import Plan, PlanError, plan
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node
 from beeswarm.protocol import Decoder, Message, ids
@@ -31,6 +37,9 @@ from beeswarm.protocol.membership import NodeInfo
 log = logging.getLogger(__name__)
 
 _messages: Decoder[LeaseBeat | SignedPlan] = Decoder(LeaseBeat, SignedPlan)
+SETTLE_BEATS = 1.0
+MAX_WAIT_BEATS = 4.0
+REPUBLISH_BEATS = 10.0
 DEFAULT_LINK = (50.0, 100.0, 100.0)  # rtt ms, up, down Mbit/s assumed until a probe measures the pair
 
 
@@ -98,8 +107,8 @@ class CoordinatorService:
 
     def __init__(self, node: Node, members: Membership, model: ModelShape, workload: Workload | None = None,
                  interval: float = 3.0, eligible: bool = True, replan_threshold: float = 0.10,
-                 clock: Callable[[], float] = time.monotonic):
-        self.node, self.members, self.model, self.clock = node, members, model, clock
+                 clock: Callable[[], float] = time.monotonic, planner: Callable[[Cluster], Plan] = plan):
+        self.node, self.members, self.model, self.clock, self.planner = node, members, model, clock, planner
         self.workload = workload or Workload()
         self.interval, self.replan_threshold = interval, replan_threshold
         self.election = Election(node.peer_id, interval, eligible, clock)
@@ -107,15 +116,24 @@ class CoordinatorService:
         self.listeners: list[Callable[[PlanState], None]] = []
         self.ignored_plans = 0
         self._lock = threading.Lock()
-        self._dirty = True
+        self._dirty, self._dirty_since, self._last_change = True, 0.0, 0.0
         self._last_beat = 0.0
-        self._planned_members: list[str] | None = None
-        self._planned_input: tuple[Cluster, list[str], int, int] | None = None  # what the last planning ran on
+        self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
+        self._republish_at = 0.0
+        self._planned_input: tuple[Cluster, int, int] | None = None  # what the last planning ran on
 
     def start(self) -> None:
         self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
-        self.members.listeners.append(lambda event, info: self.mark_dirty())
+        self.members.listeners.append(self._on_member)
         self.node.add_task(self._loop)
+
+    def _on_member(self, event: str, info: NodeInfo) -> None:
+        self.mark_dirty()
+        if event == "join":
+            with self._lock:
+                self.election.joined()
+        if event == "join":  # the newcomer needs the current plan: send it again soon
+            self._republish_at = min(self._republish_at, self.clock() + SETTLE_BEATS * self.interval)
 
     @property
     def lease(self) -> Lease | None:
@@ -127,7 +145,15 @@ class CoordinatorService:
 
     def mark_dirty(self) -> None:
         """Re-plan soon (while leading): membership changed, or this node's own figures or state did."""
-        self._dirty = True
+        now = self.clock()
+        if not self._dirty:
+            self._dirty_since = now
+        self._dirty, self._last_change = True, now
+
+    def _settled(self, now: float) -> bool:
+        """Dirty, and quiet for SETTLE_BEATS (or dirty for MAX_WAIT_BEATS): time to plan."""
+        return self._dirty and (now - self._last_change >= SETTLE_BEATS * self.interval or
+                                now - self._dirty_since >= MAX_WAIT_BEATS * self.interval)
 
     # messages ---------------------------------------------------------------------------------
     def _on_message(self, author: str, msg: LeaseBeat | SignedPlan) -> None:
@@ -140,6 +166,9 @@ class CoordinatorService:
             return
         signed = plans.verify(msg, author)  # ProtocolError (bad form or signature) strikes the author
         lease = self.election.current
+        if (signed.term, signed.epoch) == (self.state.term, self.state.epoch) and \
+                signed.coordinator == self.state.coordinator:
+            return  # the plan this node follows, sent again for newcomers
         if lease is None or signed.coordinator != lease.leader or signed.term != lease.term or \
                 (signed.term, signed.epoch) <= (self.state.term, self.state.epoch):
             self.ignored_plans += 1
@@ -164,16 +193,20 @@ class CoordinatorService:
                 claim = self.election.tick(candidates)
             if claim is not None:
                 log.info("claimed coordinator lease, term %d", claim.term)
-                self._dirty, self._last_beat = True, 0.0
+                self._dirty, self._dirty_since, self._last_change, self._last_beat = True, 0.0, 0.0, 0.0
+                self._signed = None  # a plan of an earlier term is no one's to re-send
             now = self.clock()
             lease = self.election.current
             if lease is not None and self.is_leader:
                 if now - self._last_beat >= self.interval:
                     await self._publish(LeaseBeat(term=lease.term, epoch=lease.epoch))
                     self._last_beat = now
-                if (self._dirty or self.state.migrating()) and now - last_replan >= self.interval / 2:
+                if (self._settled(now) or self.state.migrating()) and now - last_replan >= self.interval / 2:
                     self._dirty, last_replan = False, now
                     await self._replan()
+                if self._signed is not None and now >= self._republish_at:
+                    await self._publish(self._signed)
+                    self._republish_at = now + REPUBLISH_BEATS * self.interval
             await trio.sleep(min(0.25, self.interval / 4))
 
     async def _publish(self, msg: Message) -> None:
@@ -185,32 +218,33 @@ class CoordinatorService:
     async def _replan(self) -> None:
         view = {**self.members.view(), self.node.peer_id: self.members.info}
         cluster = cluster_from_members(view, self.model, self.workload)
-        members = sorted(view)
-        given = lambda: (cluster, members, self.state.term, self.state.epoch)  # noqa: E731
+        given = lambda: (cluster, self.state.term, self.state.epoch)  # noqa: E731
         if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
-            return  # nothing the plan depends on changed (heartbeats also carry figures it ignores, like load)
+            return  # nothing the plan depends on changed
         try:
-            await self._plan(cluster, view, members)
+            await self._plan(cluster, view)
         finally:
             self._planned_input = given()
 
-    async def _plan(self, cluster: Cluster, view: dict[str, NodeInfo], members: list[str]) -> None:
+    async def _plan(self, cluster: Cluster, view: dict[str, NodeInfo]) -> None:
         try:
-            result = await trio.to_thread.run_sync(plan, cluster)
+            result = await trio.to_thread.run_sync(self.planner, cluster)
         except PlanError as e:
             log.warning("cannot plan the swarm yet: %s", e)
             return
         active, target = next_assignment(cluster, result.pipelines, result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
-        if active == self.state.active and target == self.state.target and members == self._planned_members:
-            return  # every membership change gets a new epoch, even when the assignments stay
+        if (active, target, result.excluded) == (self.state.active, self.state.target, self.state.excluded) and \
+                self.state.coordinator == self.node.peer_id:
+            return  # the same assignments: no new epoch (newcomers get the current plan re-sent)
         with self._lock:  # the lease may have been lost while planning ran in its thread: re-check
             lease = self.election.next_epoch() if self.is_leader else None
         if lease is None:
             log.info("lost the lease while planning: the plan is not published")
             return
-        self._planned_members = members
         state = PlanState(term=lease.term, epoch=lease.epoch, coordinator=self.node.peer_id,
                           objective=result.objective, active=active, target=target, excluded=result.excluded)
-        await self._publish(plans.sign(self.node.identity.key_pair, state))
+        self._signed = plans.sign(self.node.identity.key_pair, state)
+        self._republish_at = self.clock() + REPUBLISH_BEATS * self.interval
+        await self._publish(self._signed)
         self._apply(state)

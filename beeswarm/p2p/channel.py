@@ -187,7 +187,30 @@ async def within(timeout: float, what: str, fn: Callable[..., Any], *args: Any) 
     except trio.TooSlowError:
         raise PeerUnavailable(f"{what} timed out after {timeout} s") from None
     except Exception as e:  # noqa: BLE001 - refused, reset, unreachable
-        raise PeerUnavailable(f"{what}: {e}") from None
+        raise PeerUnavailable(f"{what}: {reason(e)}") from None
+
+
+def reason(e: BaseException) -> str:
+    """The root causes of `e` on one line: py-libp2p wraps a refused dial in five layers ("unable to
+    connect ..., no addresses established a successful connection") around "Connection refused"."""
+    leaves: list[str] = []
+
+    def walk(x: BaseException, depth: int) -> None:
+        subs = [s for s in [*getattr(x, "exceptions", ()), *(getattr(x, "errors", None) or ())]
+                if isinstance(s, BaseException)]  # ExceptionGroup, py-libp2p's MultiError
+        below = x.__cause__ or (None if x.__suppress_context__ else x.__context__)
+        if depth < 12 and subs:
+            for sub in subs:
+                walk(sub, depth + 1)
+        elif depth < 12 and below is not None:
+            walk(below, depth + 1)
+        elif isinstance(x, OSError) and x.strerror:
+            leaves.append(x.strerror)
+        else:
+            leaves.append(str(x) or type(x).__name__)
+
+    walk(e, 0)
+    return "; ".join(dict.fromkeys(" ".join(leaf.split()) for leaf in leaves)) or type(e).__name__
 
 
 async def close_stream(stream: Any) -> None:

@@ -1,9 +1,15 @@
 """Who is in the swarm: gossipsub heartbeats carrying each node's info, and a view with events.
 
-Every node publishes its `NodeInfo` every `interval` seconds (far below gossipsub's per-peer rate
-cap, a few hundred bytes against its 1 MiB limit). A member not heard from for 3 intervals is
-declared gone. New members are dialled directly so the mesh becomes complete: stages and probes
-need direct links.
+What grows with the swarm is kept flat per node:
+- Heartbeats: a node beats every `period()` = max(interval, members / TARGET_BEATS_PER_S), so each
+  node receives about TARGET_BEATS_PER_S heartbeats a second whatever the swarm's size (gossipsub
+  forwards each one to its mesh peers: a few per message, not N). A change that matters (state,
+  spans, figures, addresses: everything but the served tokens/s) is published at once instead.
+- Liveness: a member is gone `interval` after its connection to us dropped without coming back (a
+  killed process is noticed in about a second), or after MISSED_BEATS of *its own* period without a
+  heartbeat.
+- Mesh completion dials each member directly (stages and probes need direct links), with backoff
+  per unreachable member.
 """
 from __future__ import annotations
 
@@ -24,6 +30,9 @@ from beeswarm.protocol.membership import Heartbeat, Leave, NodeInfo
 log = logging.getLogger(__name__)
 
 MISSED_BEATS = 3
+TARGET_BEATS_PER_S = 8.0  # heartbeats a node receives per second from the whole swarm
+MAX_BEAT_S = 60.0
+DIAL_BACKOFF_S = (1.0, 30.0)  # first retry, cap
 _messages: Decoder[Heartbeat | Leave] = Decoder(Heartbeat, Leave)
 
 
@@ -31,6 +40,11 @@ _messages: Decoder[Heartbeat | Leave] = Decoder(Heartbeat, Leave)
 class Member:
     info: NodeInfo
     last_seen: float  # time.monotonic()
+
+
+def _material(info: NodeInfo) -> NodeInfo:
+    """What peers act on: everything but the figures that change every beat."""
+    return msgspec.structs.replace(info, load=0.0, beat_s=0.0)
 
 
 Listener = Callable[[str, NodeInfo], None]  # (event: join | update | leave, info)
@@ -46,7 +60,11 @@ class Membership:
         self._members: dict[str, Member] = {}
         self._lock = threading.Lock()
         self.listeners: list[Listener] = []
+        self.beats_sent = self.beats_received = 0
+        self._published: NodeInfo | None = None
+        self._lost: dict[str, float] = {}  # member -> when its connection dropped
         self._dialing: set[str] = set()
+        self._dial_after: dict[str, tuple[float, float]] = {}  # member -> (next try, backoff)
 
     @property
     def info(self) -> NodeInfo:
@@ -57,12 +75,35 @@ class Membership:
 
     def start(self) -> None:
         """Subscribe and start beating; call before or after `node.start()`."""
+        self.node.on_peer_connected.append(self._on_connected)
+        self.node.on_peer_disconnected.append(self._on_disconnected)
         self.node.subscribe(self.node.topic(ids.MEMBERS_TOPIC), _messages, self._on_message)
         self.node.add_task(self._beat)
 
     def view(self) -> dict[str, NodeInfo]:
         with self._lock:
             return {peer: m.info for peer, m in self._members.items()}
+
+    def members(self) -> dict[str, Member]:
+        """Each member's info with when it was last heard from (`clock()` time)."""
+        with self._lock:
+            return dict(self._members)
+
+    def period(self) -> float:
+        """This node's heartbeat period: slower as the swarm grows, so what each node receives stays flat."""
+        with self._lock:
+            n = len(self._members)
+        return min(MAX_BEAT_S, max(self.interval, (n + 1) / TARGET_BEATS_PER_S))
+
+    def _on_connected(self, peer: str) -> None:
+        with self._lock:
+            self._lost.pop(peer, None)
+            self._dial_after.pop(peer, None)
+
+    def _on_disconnected(self, peer: str) -> None:
+        with self._lock:
+            if peer in self._members:
+                self._lost[peer] = self.clock()
 
     def leave(self) -> None:
         """Tell the swarm this node is leaving (best effort)."""
@@ -88,6 +129,7 @@ class Membership:
         info = msg.info
         if info.peer != author:
             raise ProtocolError(f"info claims to be {info.peer} but was published by {author}")
+        self.beats_received += 1
         known = self._members.get(author)
         if known is None or known.info.addrs != info.addrs:
             self.node.remember_addrs(author, info.addrs)
@@ -96,13 +138,14 @@ class Membership:
             self._members[author] = Member(info, self.clock())
         if old is None:
             self._emit("join", info)
-        elif old.info != info:
+        elif _material(old.info) != _material(info):
             self._emit("update", info)
 
-    def _complete_mesh(self) -> None:
+    def _complete_mesh(self, now: float) -> None:
         connected = set(self.node.connected_peers())
         for info in self.view().values():
-            if info.peer not in connected and info.peer not in self._dialing:
+            after, _ = self._dial_after.get(info.peer, (0.0, 0.0))
+            if info.peer not in connected and info.peer not in self._dialing and now >= after:
                 self._dialing.add(info.peer)
                 self.node.spawn(self._dial, info)
 
@@ -114,27 +157,47 @@ class Membership:
                     return
                 except (PeerUnavailable, NodeError) as e:
                     log.debug("dial %s at %s: %s", info.peer, addr, e)
+            with self._lock:  # unreachable: try again later, less often each time
+                _, backoff = self._dial_after.get(info.peer, (0.0, DIAL_BACKOFF_S[0] / 2))
+                backoff = min(DIAL_BACKOFF_S[1], backoff * 2)
+                self._dial_after[info.peer] = (self.clock() + backoff, backoff)
         finally:
             self._dialing.discard(info.peer)
 
+    def _expired(self, now: float) -> list[tuple[NodeInfo, str]]:
+        """Members to drop now, with why: silent for MISSED_BEATS of their period, or disconnected."""
+        connected = set(self.node.connected_peers())
+        gone = []
+        with self._lock:
+            for peer, m in self._members.items():
+                period = min(MAX_BEAT_S, max(self.interval, m.info.beat_s))
+                lost = self._lost.get(peer)
+                if now - m.last_seen > MISSED_BEATS * period:
+                    gone.append((m.info, f"missed {MISSED_BEATS} heartbeats"))
+                elif lost is not None and now - lost > self.interval and peer not in connected:
+                    gone.append((m.info, "its connection dropped"))
+            for info, _ in gone:
+                del self._members[info.peer]
+                self._lost.pop(info.peer, None)
+        return gone
+
     async def _beat(self) -> None:
-        next_beat = 0.0
+        next_beat = last_sent = 0.0
         while True:
             now = self.clock()
-            if now >= next_beat:
-                self.update(addrs=tuple(self.node.addrs))
+            period = self.period()
+            self.update(addrs=tuple(self.node.addrs), beat_s=period)
+            changed = self._published is None or _material(self._published) != _material(self._info)
+            if now >= next_beat or changed and now - last_sent >= self.interval / 4:
                 try:
                     await self.node.publish_async(self.node.topic(ids.MEMBERS_TOPIC), Heartbeat(info=self._info))
+                    self._published = self._info
+                    self.beats_sent += 1
                 except Exception as e:  # noqa: BLE001 - no peers yet, and the like
                     log.debug("heartbeat not sent: %s", e)
-                next_beat = now + self.interval
-            cutoff = now - MISSED_BEATS * self.interval
-            with self._lock:
-                gone = [m.info for m in self._members.values() if m.last_seen < cutoff]
-                for info in gone:
-                    del self._members[info.peer]
-            for info in gone:
-                log.info("member %s missed %d heartbeats: gone", info.peer, MISSED_BEATS)
+                next_beat, last_sent = now + period, now
+            for info, why in self._expired(now):
+                log.info("member %s is gone: %s", info.peer, why)
                 self._emit("leave", info)
-            self._complete_mesh()
+            self._complete_mesh(now)
             await trio.sleep(min(0.25, self.interval / 4))

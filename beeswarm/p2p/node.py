@@ -36,17 +36,25 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-from beeswarm.p2p import auth
+from beeswarm.p2p import addresses, auth, hardening, logs
 from beeswarm.p2p.bans import BanList
-from beeswarm.p2p.channel import Channel, ChannelClosed, NodeError, PeerUnavailable, quiet_reset, within  # noqa: F401 - errors re-exported for callers of the node
+from beeswarm.p2p.channel import Channel, ChannelClosed, NodeError, PeerUnavailable, quiet_reset, reason, within  # noqa: F401 - errors re-exported for callers of the node
 from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.requests import Handler, Requests
 from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, ProtocolError, encode, ids
 
 log = logging.getLogger(__name__)
+logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
+hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop the host: contained (see hardening.py)
 
 GOSSIPSUB = TProtocol("/meshsub/1.0.0")
 STOP_TIMEOUT_S = 2.0
+RESTART_MIN_S, RESTART_MAX_S = 0.5, 30.0  # backoff before a failed long-lived task runs again
+NOT_DIALABLE = "0.0.0.0 and :: are where a node listens, not an address to dial (use the machine's IP address)"
+
+
+class NodeFailed(NodeError):
+    """The node's loop ended on an error (`Node.failure`): the process should exit non-zero (the CLI exits 1)."""
 
 
 @dataclass
@@ -108,8 +116,13 @@ class Node:
         self._pubsub: Pubsub | None = None
         self._relay: CircuitV2Transport | None = None
         self.relayed_addrs: list[str] = []
+        self._bootstrap_state: dict[str, str | None] = {}  # bootstrap address -> last dial error (None: reached)
         self.on_peer_connected: list[Callable[[str], None]] = []
         self.on_peer_disconnected: list[Callable[[str], None]] = []
+        # Set when the node's loop ended on an error after it had started (nothing else stops a node but
+        # `stop()`); `on_failure` callbacks then run once, in the node's thread: a process should exit non-zero.
+        self.failure: BaseException | None = None
+        self.on_failure: list[Callable[[BaseException], None]] = []
 
     @property
     def private(self) -> bool:
@@ -153,12 +166,31 @@ class Node:
         except BaseException as e:  # noqa: BLE001 - report, never crash the process
             if not self._ready.is_set():
                 self._error = e
+            elif self._stop is not None and self._stop.is_set():  # asked to stop: an untidy exit, not a failure
+                log.warning("p2p node %s stopped with an error: %s", self.peer_id, reason(e))
             else:
-                log.exception("p2p node %s stopped on an error", self.peer_id)
+                self._failed(e)
+        else:
+            if self._ready.is_set() and not (self._stop is not None and self._stop.is_set()):
+                self._failed(NodeError("the node's loop ended without stop()"))
         finally:
             if self._pubsub is not None:
                 self._pubsub.seen_messages.stop()  # py-libp2p's cache sweeper thread
             self._ready.set()
+
+    def _failed(self, error: BaseException) -> None:
+        self.failure = error
+        log.error("p2p node %s stopped on an error", self.peer_id, exc_info=error)
+        for callback in list(self.on_failure):
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001
+                log.exception("on_failure callback of %s failed", self.peer_id)
+
+    def raise_if_failed(self) -> None:
+        """Raise NodeFailed (one line: the root cause) if the node's loop ended on an error."""
+        if self.failure is not None:
+            raise NodeFailed(f"the p2p node stopped on an error: {reason(self.failure)}") from self.failure
 
     def _new_host(self) -> Any:
         kp = self.identity.key_pair
@@ -168,7 +200,10 @@ class Node:
             sec_opt={NOISE_PROTOCOL_ID: noise},  # the default also accepts plaintext peers
             muxer_preference="YAMUX",
             connection_config=ConnectionConfig(max_connections_per_peer=1),
-            announce_addrs=[multiaddr.Multiaddr(a) for a in self.config.announce] or None,
+            # announce what peers can dial: the given addresses, else the listening ones with 0.0.0.0 / ::
+            # replaced by this host's interface addresses (never the unspecified address itself)
+            addrs_factory=lambda found: addresses.concrete([multiaddr.Multiaddr(a) for a in self.config.announce]
+                                                           or found),
             psk=auth.pnet_key(self.config.secret) if self.config.secret else None,
         )
 
@@ -181,6 +216,7 @@ class Node:
         except Exception as e:  # noqa: BLE001 - bad multiaddr strings and the like
             raise NodeError(f"bad node configuration: {e}") from e
         self._host = host
+        hardening.watch(host, self.strike)  # a peer whose input py-libp2p failed on is struck
         # Rate limits well above our heartbeat rate; localhost peers share one IP, so no IP diversity rule.
         router = GossipSub(protocols=[GOSSIPSUB], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
                            heartbeat_initial_delay=0.1, eclipse_protection_enabled=False,
@@ -205,9 +241,9 @@ class Node:
                     for topic, decoder, callback in self._subscriptions:
                         await self._subscribe(topic, decoder, callback)
                     for addr in self.config.bootstrap:
-                        nursery.start_soon(self._keep_connected, addr)
+                        self._spawn(self._keep_connected, (addr,), restart=True)
                     for task in self._tasks:
-                        nursery.start_soon(task)
+                        self._spawn(task, (), restart=True)
                     self._ready.set()
                     await self._stop.wait()
                     scope.deadline = trio.current_time() + STOP_TIMEOUT_S - 0.5
@@ -221,6 +257,7 @@ class Node:
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
+            self.raise_if_failed()
             raise NodeError("node has stopped") from None
         except trio.Cancelled:  # the node's loop cancelled the call: it is stopping
             raise NodeError("node is stopping") from None
@@ -230,22 +267,61 @@ class Node:
             raise
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Start async `fn(*args)` in the node's loop (from the loop or any other thread)."""
+        """Start async `fn(*args)` in the node's loop (from the loop or any other thread). It runs once: if it
+        raises, that is logged and it ends; the node carries on."""
+        self._spawn(fn, args, restart=False)
+
+    def add_task(self, fn: Callable[[], Any]) -> None:
+        """Run async `fn()` in the node's loop for the node's lifetime (from start, or now if running); if it
+        raises, that is logged and it runs again after a backoff (RESTART_MIN_S doubling to RESTART_MAX_S)."""
+        self._tasks.append(fn)
+        if self._ready.is_set():
+            self._spawn(fn, (), restart=True)
+
+    def _spawn(self, fn: Callable[..., Any], args: tuple[Any, ...], restart: bool) -> None:
         if self._nursery is None:
             return
+        start = functools.partial(self._nursery.start_soon, self._supervise, fn, args, restart,
+                                  name=getattr(fn, "__qualname__", repr(fn)))
         if threading.current_thread() is self._thread:
-            self._nursery.start_soon(fn, *args)
+            start()
             return
         try:
-            trio.from_thread.run_sync(self._nursery.start_soon, fn, *args, trio_token=self._token)
+            trio.from_thread.run_sync(start, trio_token=self._token)
         except trio.RunFinishedError:
             pass
 
-    def add_task(self, fn: Callable[[], Any]) -> None:
-        """Run async `fn()` in the node's loop for the node's lifetime (from start, or now if running)."""
-        self._tasks.append(fn)
-        if self._ready.is_set():
-            self.spawn(fn)
+    async def _supervise(self, fn: Callable[..., Any], args: tuple[Any, ...], restart: bool) -> None:
+        """Run `fn(*args)` so that its failure never ends the node's nursery: each failure is logged once (the
+        first with its traceback); with `restart`, it runs again after a backoff. Cancellation propagates."""
+        name, delay, failures = getattr(fn, "__qualname__", repr(fn)), RESTART_MIN_S, 0
+        while True:
+            began = trio.current_time()
+            error: BaseException | None = None
+            try:
+                await fn(*args)
+                return
+            except Exception as e:  # noqa: BLE001 - never trio.Cancelled (a BaseException)
+                error = e
+            except BaseExceptionGroup as group:
+                cancelled, rest = group.split(trio.Cancelled)
+                if cancelled is not None:  # being cancelled: the rest is logged, the cancellation goes on
+                    if rest is not None:
+                        log.error("task %s of %s failed while cancelled", name, self.peer_id, exc_info=rest)
+                    raise cancelled from None
+                error = rest
+            failures += 1
+            if failures == 1:
+                log.error("task %s of %s failed", name, self.peer_id, exc_info=error)
+            else:
+                log.warning("task %s of %s failed again (%d times): %s: %s", name, self.peer_id, failures,
+                            type(error).__name__, error)
+            if not restart:
+                return
+            if trio.current_time() - began > RESTART_MAX_S:
+                delay = RESTART_MIN_S  # it had run a good while: a fresh failure, not a loop
+            await trio.sleep(delay)
+            delay = min(2 * delay, RESTART_MAX_S)
 
     # addresses and connections ----------------------------------------------------------------
     @property
@@ -256,7 +332,8 @@ class Node:
         out = []
         for a in self._host.get_addrs():
             text = str(a)
-            out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
+            if not addresses.unspecified(text):  # listen-only: nobody can dial 0.0.0.0
+                out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
         return out + self.relayed_addrs
 
     def connect(self, addr: str, timeout: float = 10.0) -> str:
@@ -269,6 +346,8 @@ class Node:
             info = info_from_p2p_addr(maddr)
         except Exception as e:  # noqa: BLE001
             raise NodeError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id> ({e})") from None
+        if addresses.unspecified(addr):
+            raise NodeError(f"{addr}: {NOT_DIALABLE}")
         if "/p2p-circuit" not in addr:
             await self._connect(info, timeout)
             return str(info.peer_id)
@@ -302,21 +381,50 @@ class Node:
         await within(timeout, f"connecting to {info.peer_id}", self._host.connect, info)
 
     async def _keep_connected(self, addr: str) -> None:
-        """Dial a bootstrap address, and again whenever the connection drops."""
+        """Dial a bootstrap address, and again whenever the connection drops; `bootstrap_errors()` has
+        the last failure."""
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         except Exception as e:  # noqa: BLE001
             log.error("bootstrap address %r is invalid: %s", addr, e)
+            self._bootstrap_state[addr] = f"not a multiaddr ending in /p2p/<peer id> ({e})"
             return
         if str(info.peer_id) == self.peer_id:
+            self._bootstrap_state[addr] = None
             return
+        if addresses.unspecified(addr):
+            self._bootstrap_state[addr] = NOT_DIALABLE
+            return
+        # py-libp2p refuses to dial a peer again for 60 s once every address failed; a bootstrap is retried sooner
+        failed = getattr(self._host.get_network(), "_negative_peer_cache", None)
         while True:
-            if info.peer_id not in self._host.get_connected_peers():
+            if info.peer_id not in self._live_peers():
+                if failed is not None:
+                    failed.evict(str(info.peer_id))
                 try:
                     await self._connect(info, 10.0)
+                    self._bootstrap_state[addr] = None
                 except PeerUnavailable as e:
                     log.info("bootstrap %s: %s", addr, e)
+                    why = str(e).removeprefix(f"connecting to {info.peer_id}")
+                    self._bootstrap_state[addr] = why.removeprefix(":").strip() or str(e)
+            else:
+                self._bootstrap_state[addr] = None
             await trio.sleep(2.0)
+
+    def bootstrap_errors(self) -> dict[str, str]:
+        """Each bootstrap address whose last dial failed, with why (an address not dialled yet is absent)."""
+        return {addr: error for addr, error in dict(self._bootstrap_state).items() if error is not None}
+
+    def unreachable(self) -> str | None:
+        """Why the swarm cannot be reached, once every bootstrap address was dialled and failed and no peer
+        is connected: each address with its error. None while a bootstrap answers or is untried, or a peer
+        is connected (or when there is no bootstrap: a node that starts a swarm waits for others)."""
+        state = dict(self._bootstrap_state)
+        bootstrap = set(self.config.bootstrap)
+        if not bootstrap or any(state.get(addr) is None for addr in bootstrap) or self.connected_peers():
+            return None  # (None: untried, or reached)
+        return "; ".join(f"{addr}: {state[addr]}" for addr in sorted(bootstrap))
 
     def remember_addrs(self, peer: str, addrs: tuple[str, ...]) -> None:
         """Record where `peer` can be dialled, so streams to it connect on demand (call in the loop)."""
@@ -326,13 +434,19 @@ class Node:
                 info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
             except Exception:  # noqa: BLE001 - a peer's bad address is its problem
                 continue
-            if str(info.peer_id) == peer:
+            if str(info.peer_id) == peer and not addresses.unspecified(addr):
                 store.add_addrs(info.peer_id, info.addrs, 600)
 
     def connected_peers(self) -> list[str]:
         if self._host is None:
             return []
-        return [str(p) for p in self._host.get_connected_peers()]
+        return [str(p) for p in self._live_peers()]
+
+    def _live_peers(self) -> set[Any]:
+        """Peers with an open connection. (py-libp2p 0.8.1 keeps a peer's key in its connection table,
+        with an empty list, after the last connection closed: `get_connected_peers` still lists it.)"""
+        return {peer for peer, conns in self._host.get_network().connections.items()
+                if any(not getattr(c, "is_closed", False) for c in conns)}
 
     async def disconnect_async(self, peer: str) -> None:
         try:
@@ -356,7 +470,7 @@ class Node:
             cb(peer)
 
     def _disconnected(self, peer: str) -> None:
-        if self._host is not None and ID.from_base58(peer) in self._host.get_connected_peers():
+        if self._host is not None and ID.from_base58(peer) in self._live_peers():
             return
         self.gate.disconnected(peer)
         self.requests.forget(peer)
@@ -470,7 +584,7 @@ class Node:
     async def _subscribe(self, topic: str, messages: Decoder[Any], callback: Callable[[str, Any], None]) -> None:
         assert self._pubsub is not None and self._nursery is not None
         subscription = await self._pubsub.subscribe(topic)
-        self._nursery.start_soon(self._pump, topic, subscription, messages, callback)
+        self._spawn(self._pump, (topic, subscription, messages, callback), restart=True)
 
     async def _pump(self, topic: str, subscription: Any, messages: Decoder[Any],
                     callback: Callable[[str, Any], None]) -> None:

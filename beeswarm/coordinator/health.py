@@ -1,0 +1,197 @@
+"""The swarm at a glance, as plain data: members, layer coverage and replicas, the coordinator and plans.
+
+`beeswarm status` fills a `StatusReport` from what a client hears on the mesh (the membership view
+with each member's last heartbeat, the followed plan, the coordinator's lease) and prints it as a
+table or JSON. Pure: no networking, no torch.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from beeswarm.protocol.coordinator import Pipeline, PlanState, assignments
+from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.spans import Span
+
+RED, RESET = "\033[31m", "\033[0m"
+NOT_SERVING = ("leaving", "paused")  # a paused node keeps its span for the sessions it has, but leaves the plans
+
+
+@dataclass(frozen=True)
+class MemberRow:
+    peer: str
+    role: str
+    state: str
+    spans: tuple[Span, ...]  # every span it announces (two while migrating)
+    device: str
+    tokens_per_s: float  # served lately, from its heartbeat
+    heartbeat_age_s: float  # since its last heartbeat reached us
+    version: str
+    coordinator: bool = False
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive layers served by the same members (`replicas` of them; none: a gap)."""
+
+    span: Span
+    nodes: tuple[str, ...]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    members: tuple[MemberRow, ...]
+    num_layers: int  # from the plan, else the highest layer announced (0: unknown)
+    segments: tuple[Segment, ...]  # cover [0, num_layers) in order
+    coordinator: str | None  # the lease holder heard from, else the plan's author
+    term: int
+    epoch: int
+    plan: PlanState | None  # None: no plan heard
+
+    @property
+    def coverage(self) -> tuple[int, ...]:
+        """Replicas of each layer."""
+        return tuple(s.replicas for s in self.segments for _ in range(len(s.span)))
+
+    @property
+    def gaps(self) -> tuple[Span, ...]:
+        return tuple(s.span for s in self.segments if not s.nodes)
+
+    @property
+    def complete(self) -> bool:
+        """Every layer has at least one member serving it."""
+        return self.num_layers > 0 and not self.gaps
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "members": [{"peer": m.peer, "role": m.role, "state": m.state,
+                         "spans": [[s.start, s.end] for s in m.spans], "device": m.device,
+                         "tokens_per_s": round(m.tokens_per_s, 2), "heartbeat_age_s": round(m.heartbeat_age_s, 2),
+                         "version": m.version, "coordinator": m.coordinator} for m in self.members],
+            "num_layers": self.num_layers,
+            "coverage": list(self.coverage),
+            "spans": [{"start": s.span.start, "end": s.span.end, "replicas": s.replicas, "nodes": list(s.nodes)}
+                      for s in self.segments],
+            "gaps": [{"start": g.start, "end": g.end} for g in self.gaps],
+            "complete": self.complete,
+            "coordinator": self.coordinator, "term": self.term, "epoch": self.epoch,
+            "plan": None if self.plan is None else {
+                "term": self.plan.term, "epoch": self.plan.epoch, "coordinator": self.plan.coordinator,
+                "objective": self.plan.objective, "migrating": self.plan.migrating(),
+                "active": [_pipeline_json(p) for p in self.plan.active],
+                "target": [_pipeline_json(p) for p in self.plan.target],
+                "excluded": [{"node": e.node, "reason": e.reason} for e in self.plan.excluded]},
+        }
+
+    def lines(self, color: bool = False) -> list[str]:
+        """The report for people; `color`: gaps in red (for a terminal)."""
+        red = (lambda text: f"{RED}{text}{RESET}") if color else (lambda text: text)  # noqa: E731
+        contributors = sum(m.role == "contributor" for m in self.members)
+        clients = len(self.members) - contributors
+        out = [f"members: {len(self.members)} ({contributors} contributor{'s' * (contributors != 1)}, "
+               f"{clients} client{'s' * (clients != 1)})"]
+        if self.coordinator:
+            out.append(f"coordinator: {self.coordinator}  term {self.term}  epoch {self.epoch}")
+        else:
+            out.append("coordinator: none heard")
+        out.append("")
+        out.append(f"  {'peer':<14} {'role':<11} {'state':<8} {'layers':<18} {'device':<8} {'tok/s':>7} "
+                   f"{'heartbeat':>10}")
+        for m in self.members:
+            layers = " ".join(str(s) for s in m.spans) or "-"
+            mark = "*" if m.coordinator else " "
+            out.append(f"{mark} {short(m.peer):<14} {m.role:<11} {m.state:<8} {layers:<18} {m.device:<8} "
+                       f"{m.tokens_per_s:>7.1f} {m.heartbeat_age_s:>7.1f} s")
+        out.append("")
+        if not self.num_layers:
+            out.append("coverage: unknown (no plan heard and no member serves a span)")
+        else:
+            summary = "complete" if self.complete else red(f"{sum(len(g) for g in self.gaps)} layer(s) unserved")
+            out.append(f"coverage of {self.num_layers} layers: {summary}")
+            for s in self.segments:
+                if s.nodes:
+                    names = ", ".join(short(n) for n in s.nodes)
+                    out.append(f"  {str(s.span):<12} {s.replicas} replica{'s' if s.replicas > 1 else ''}: {names}")
+                else:
+                    out.append(red(f"  {str(s.span):<12} GAP: no member serves these layers"))
+        out.append("")
+        if self.plan is None:
+            out.append("plan: none heard")
+            return out
+        p = self.plan
+        out.append(f"plan: term {p.term} epoch {p.epoch} by {short(p.coordinator)}, objective {p.objective}"
+                   f"{', migrating' if p.migrating() else ''}")
+        out += [f"  active {line}" for line in _pipeline_lines(p.active)]
+        if p.migrating():
+            out += [f"  target {line}" for line in _pipeline_lines(p.target)]
+        else:
+            out.append("  target = active")
+        out += [f"  left out {short(e.node)}: {e.reason}" for e in p.excluded]
+        return out
+
+
+def short(peer: str) -> str:
+    """A peer id shortened for tables: its last 8 characters (what differs between ids)."""
+    return f"…{peer[-8:]}" if len(peer) > 9 else peer
+
+
+def _pipeline_json(p: Pipeline) -> dict[str, Any]:
+    return {"stages": [{"node": s.node, "start": s.span.start, "end": s.span.end,
+                        "offload_fraction": s.offload_fraction} for s in p.stages],
+            "micro_batches": p.micro_batches, "step_ms": p.step_ms, "tokens_per_s": p.tokens_per_s}
+
+
+def _pipeline_lines(pipelines: tuple[Pipeline, ...]) -> list[str]:
+    if not pipelines:
+        return ["(none)"]
+    return [f"{i + 1}: " + " -> ".join(f"{short(s.node)} {s.span}" for s in p.stages) +
+            f"  ({p.tokens_per_s:.1f} tok/s planned)" for i, p in enumerate(pipelines)]
+
+
+def _segments(num_layers: int, serving: Mapping[str, tuple[Span, ...]]) -> tuple[Segment, ...]:
+    """[0, num_layers) cut where the set of members serving a layer changes."""
+    holders = [tuple(sorted(peer for peer, spans in serving.items() if any(s.start <= layer < s.end for s in spans)))
+               for layer in range(num_layers)]
+    out, start = [], 0
+    for nodes, run in itertools.groupby(holders):
+        length = len(list(run))
+        out.append(Segment(Span(start, start + length), nodes))
+        start += length
+    return tuple(out)
+
+
+def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], plan: PlanState | None = None,
+           coordinator: str | None = None, term: int = 0, epoch: int = 0) -> StatusReport:
+    """The report from a membership view, each member's seconds since its last heartbeat, the plan
+    followed (None or an empty `PlanState`: none heard) and the coordinator's lease (`coordinator`,
+    `term`, `epoch`; None: none heard, the plan's author then stands in).
+
+    Coverage counts what members announce serving (contributors not leaving or paused), not what the
+    plan assigns: a planned node that has not loaded its span yet leaves a gap."""
+    if plan is not None and not plan.coordinator:
+        plan = None
+    if coordinator is None and plan is not None:
+        coordinator, term, epoch = plan.coordinator, plan.term, plan.epoch
+    serving = {peer: info.spans or ((info.layers,) if info.layers else ())
+               for peer, info in view.items() if info.role == "contributor" and info.state not in NOT_SERVING}
+    planned = list(assignments(plan.active).values()) + list(assignments(plan.target).values()) if plan else []
+    announced = [s for spans in serving.values() for s in spans]
+    num_layers = max((s.end for s in planned or announced), default=0)
+    members = tuple(MemberRow(peer=peer, role=info.role, state=info.state,
+                              spans=info.spans or ((info.layers,) if info.layers else ()), device=info.device,
+                              tokens_per_s=info.load, heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
+                              version=info.version, coordinator=peer == coordinator)
+                    for peer, info in sorted(view.items(), key=lambda kv: _order(kv[1])))
+    return StatusReport(members, num_layers, _segments(num_layers, serving), coordinator, term, epoch, plan)
+
+
+def _order(info: NodeInfo) -> tuple[int, int, str]:
+    """Contributors first, by the first layer they serve; then clients."""
+    first = min((s.start for s in info.spans), default=info.layers.start if info.layers else 1 << 30)
+    return (info.role != "contributor", first, info.peer)
