@@ -309,19 +309,26 @@ def _run_chat(client, entry, args, params) -> int:
     return 0
 
 
-def cmd_chat(args) -> int:
-    """Generate through a swarm: this machine holds the embedding, head and sampler."""
-    from beeswarm.client.swarm import ClientOptions, SwarmClient
+def _required_join(join: list[str], what: str):
+    """Bootstrap addresses (and the descriptor, if a URL was given) from --join, which must be given."""
     from beeswarm.p2p.descriptor import DescriptorError, resolve_join
 
-    if args.prompt is None and not _interactive():
-        raise UserError("give --prompt TEXT (the chat app needs a terminal)")
     try:
-        bootstrap, descriptor = resolve_join(args.join)
+        bootstrap, descriptor = resolve_join(join)
     except DescriptorError as e:
         raise UserError(str(e)) from None
     if not bootstrap:
-        raise UserError("--join MULTIADDR|URL is required: the swarm to generate through")
+        raise UserError(f"--join MULTIADDR|URL is required: {what}")
+    return bootstrap, descriptor
+
+
+def cmd_chat(args) -> int:
+    """Generate through a swarm: this machine holds the embedding, head and sampler."""
+    from beeswarm.client.swarm import ClientOptions, SwarmClient
+
+    if args.prompt is None and not _interactive():
+        raise UserError("give --prompt TEXT (the chat app needs a terminal)")
+    bootstrap, descriptor = _required_join(args.join, "the swarm to generate through")
     if args.model is None:
         args.model = descriptor.model if descriptor else "tinycode"
     params, entry = _chat_common(args)
@@ -342,15 +349,9 @@ def cmd_status(args) -> int:
     import time
 
     from beeswarm.client.status import SwarmObserver, Unreachable
-    from beeswarm.p2p.descriptor import DescriptorError, resolve_join
     from beeswarm.p2p.node import NodeError
 
-    try:
-        bootstrap, _ = resolve_join(args.join)
-    except DescriptorError as e:
-        raise UserError(str(e)) from None
-    if not bootstrap:
-        raise UserError("--join MULTIADDR|URL is required: the swarm to look at")
+    bootstrap, _ = _required_join(args.join, "the swarm to look at")
     if args.wait <= 0 or args.every <= 0:
         raise UserError("--wait and --every must be positive")
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
