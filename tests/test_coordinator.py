@@ -11,6 +11,7 @@ from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.service import (
+    REPUBLISH_BEATS,
     CoordinatorService,
     cluster_from_members,
     next_assignment,
@@ -231,5 +232,7 @@ def test_a_join_storm_gives_a_few_plans_not_one_per_arrival(contributors):
     time.sleep(3 * INTERVAL)  # let the coordinator finish planning after the last arrival
     assert 1 <= len(plans_seen) <= 4, f"{plans_seen}: plans for 8 arrivals"
     final = (first[1].coord.state.term, first[1].coord.state.epoch)
-    wait_for(lambda: all((n.coord.state.term, n.coord.state.epoch) == final for n in everyone), 12,
-             "every newcomer to hold the current plan")
+    # the plan is re-sent after each join and every REPUBLISH_BEATS; gossip may drop one re-send on a
+    # loaded machine (CI builds the bundle beside the suite), so allow two
+    wait_for(lambda: all((n.coord.state.term, n.coord.state.epoch) == final for n in everyone),
+             2 * REPUBLISH_BEATS * INTERVAL + 5, "every newcomer to hold the current plan")
