@@ -27,18 +27,19 @@ from helpers import INTERVAL, wait_for
 MODEL = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
 
 
+def contributor_info(peer):
+    return NodeInfo(peer=peer, memory_bytes=40_000_000, state="serving",
+                    bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.1})
+
+
 @pytest.fixture
 def contributors(mesh):
-    def info(peer):
-        return NodeInfo(peer=peer, memory_bytes=40_000_000, state="serving",
-                        bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.1})
-
     def setup(node):
         node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
         node.coord.start()
 
     def make(n: int, bootstrap: str | None = None):
-        return mesh(n, bootstrap=[bootstrap] if bootstrap else None, info=info, setup=setup)
+        return mesh(n, bootstrap=[bootstrap] if bootstrap else None, info=contributor_info, setup=setup)
 
     return make
 
@@ -81,6 +82,24 @@ def test_election_failover_and_plans(contributors):
     wait_for(lambda: agreed(rest) and next(iter(leaders(rest))) != leader.peer_id, 3 * INTERVAL + 1,
              "a new coordinator")
     assert all(n.coord.lease.term > term for n in rest)
+
+
+def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator(contributors, mesh):
+    first = contributors(3)  # enough memory between them for the model
+    wait_for(lambda: agreed(first) and first[0].coord.state.epoch >= 1, 8, "a first plan")
+
+    def deaf_to_plans(node):  # hears lease beats, never a plan's gossip
+        node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
+        hear = node.coord._on_message
+        node.coord._on_message = lambda author, msg: None if isinstance(msg, SignedPlan) else hear(author, msg)
+        node.coord.start()
+
+    (deaf,) = mesh(1, bootstrap=[first[0].addrs[0]], info=contributor_info, setup=deaf_to_plans)
+    leader = next(n for n in first if n.coord.is_leader)
+    wait_for(lambda: deaf.coord.state.epoch >= 1 and not leader.coord._dirty and
+             (deaf.coord.state.term, deaf.coord.state.epoch) == (leader.coord.state.term, leader.coord.state.epoch),
+             6 * INTERVAL + 5, "the deaf follower to hold the coordinator's current plan")
+    assert deaf.coord.pulled_plans >= 1
 
 
 def test_link_probes_reach_the_coordinators_cluster(contributors):

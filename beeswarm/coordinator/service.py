@@ -11,7 +11,9 @@ Churn is damped: a membership change re-plans once the view has been quiet for S
 intervals (or after MAX_WAIT_BEATS at the latest), so a join storm gives a few epochs, not one per
 arrival; a new epoch is published only when the assignments change. Members that join get the
 current signed plan again (the same epoch, at most once per settle), and it is repeated every
-REPUBLISH_BEATS intervals.
+REPUBLISH_BEATS intervals. Gossip may still drop it (a loaded mesh drops messages outside a node's
+mesh links), so a follower whose lease beats show a newer epoch than it holds for two beats in a
+row asks the coordinator for the plan directly (`ids.PLAN`).
 """
 from __future__ import annotations
 
@@ -28,15 +30,19 @@ from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.planner import Plan, PlanError, plan
+from beeswarm.p2p.channel import NodeError, PeerUnavailable
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node
-from beeswarm.protocol import Decoder, Message, ids
-from beeswarm.protocol.coordinator import LeaseBeat, Pipeline, PlanState, SignedPlan, assignments
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol.coordinator import LeaseBeat, Pipeline, PlanRequest, PlanState, SignedPlan, assignments
 from beeswarm.protocol.membership import NodeInfo
 
 log = logging.getLogger(__name__)
 
 _messages: Decoder[LeaseBeat | SignedPlan] = Decoder(LeaseBeat, SignedPlan)
+_plan_requests: Decoder[PlanRequest] = Decoder(PlanRequest)
+_plan_replies = reply_decoder(SignedPlan)
 SETTLE_BEATS = 1.0
 MAX_WAIT_BEATS = 4.0
 REPUBLISH_BEATS = 10.0
@@ -121,9 +127,12 @@ class CoordinatorService:
         self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
         self._republish_at = 0.0
         self._planned_input: tuple[Cluster, int, int] | None = None  # what the last planning ran on
+        self._behind: tuple[int, int] | None = None  # a lease beat's (term, epoch) newer than the plan held
+        self.pulled_plans = 0
 
     def start(self) -> None:
         self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
+        self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
         self.members.listeners.append(self._on_member)
         self.node.add_task(self._loop)
 
@@ -163,7 +172,11 @@ class CoordinatorService:
                 self.election.observe(Lease(msg.term, author, msg.epoch))
             if was_leader and not self.is_leader:
                 log.info("stepping down: %s leads term %d", author, msg.term)
-            return
+            self._check_behind(author, msg)
+        else:
+            self._take_plan(author, msg)
+
+    def _take_plan(self, author: str, msg: SignedPlan) -> None:
         signed = plans.verify(msg, author)  # ProtocolError (bad form or signature) strikes the author
         lease = self.election.current
         if (signed.term, signed.epoch) == (self.state.term, self.state.epoch) and \
@@ -175,6 +188,38 @@ class CoordinatorService:
             log.info("ignoring plan %d/%d from %s (following %s)", signed.term, signed.epoch, author, lease)
             return
         self._apply(signed)
+
+    def _check_behind(self, author: str, beat: LeaseBeat) -> None:
+        """Pull the plan from the coordinator when two beats in a row show an epoch this node lacks (one beat
+        may just have overtaken the plan's gossip)."""
+        lease = self.election.current
+        if lease is None or lease.leader != author or self.is_leader or beat.epoch == 0 or \
+                (beat.term, beat.epoch) <= (self.state.term, self.state.epoch):
+            self._behind = None
+            return
+        if self._behind is not None and self._behind[0] == beat.term:
+            self.node.spawn(self._pull_plan, author)
+            self._behind = None  # the next pull waits for two more beats
+        else:
+            self._behind = (beat.term, beat.epoch)
+
+    async def _pull_plan(self, coordinator: str) -> None:
+        try:
+            signed = await self.node.requests.request(coordinator, ids.PLAN, encode(PlanRequest()), _plan_replies,
+                                                      timeout=2 * self.interval)
+        except (TimeoutError, PeerUnavailable, NodeError, RemoteError) as e:
+            log.info("could not fetch the current plan from %s: %s", coordinator, e)
+            return
+        self.pulled_plans += 1
+        try:
+            self._take_plan(coordinator, signed)
+        except ProtocolError as e:
+            self.node.strike(coordinator, f"plan: {e}")
+
+    async def _serve_plan(self, peer: str, request: PlanRequest) -> Message:
+        if self._signed is None or not self.is_leader:
+            return ErrorReply(error="this node holds no current plan")
+        return self._signed
 
     def _apply(self, state: PlanState) -> None:
         self.state = state

@@ -63,6 +63,11 @@ class SignedPlan(Message, frozen=True, tag="plan"):
     sig: Annotated[bytes, msgspec.Meta(max_length=128)]
 
 
+class PlanRequest(Message, frozen=True, tag="plan_request"):
+    """Ask the coordinator for its current signed plan (`ids.PLAN`): for a node whose lease beats show an
+    epoch newer than the plan it holds, because gossip dropped the plan on its way."""
+
+
 def assignments(pipelines: tuple[Pipeline, ...]) -> dict[str, Span]:
     """node -> the span it serves in `pipelines` (one per node: pipelines are disjoint)."""
     return {s.node: s.span for p in pipelines for s in p.stages}

@@ -6,6 +6,7 @@ STEP = "/beeswarm/step/1"  # channel: steps pushed entry -> s1 -> ... -> sN
 RESULT = "/beeswarm/result/1"  # channel: results and step errors back to the entry
 PROBE = "/beeswarm/probe/1"  # channel: link probes (pings, bulk transfers)
 AUTH = "/beeswarm/auth/1"  # request: private-swarm challenge
+PLAN = "/beeswarm/plan/1"  # request: the coordinator's current signed plan
 
 MEMBERS_TOPIC = "members"  # heartbeats carrying NodeInfo
 COORDINATOR_TOPIC = "coordinator"  # leases and signed plans
