@@ -242,14 +242,16 @@ def test_a_join_storm_gives_a_few_plans_not_one_per_arrival(contributors):
     plans_seen: list[tuple[int, int]] = []
     first[1].coord.listeners.append(lambda state: plans_seen.append((state.term, state.epoch)))
     storm = []
-    for _ in range(8):  # one arrival every ~0.3 s: faster than the coordinator's settle time
+    # one arrival every ~0.3 s, faster than the coordinator's settle time; 8 nodes in all, what membership over
+    # gossip holds in one process on a loaded machine (11 did not settle in 15 s while CI built the bundle)
+    for _ in range(5):
         storm += contributors(1, bootstrap=first[0].addrs[0])
     everyone = first + storm
     wait_for(lambda: agreed(everyone) and all(len(n.members.view()) == len(everyone) - 1 for n in everyone),
              15, "the storm to settle")
     assert leaders(everyone) == leaders(first)  # no newcomer claimed a term of its own
     time.sleep(3 * INTERVAL)  # let the coordinator finish planning after the last arrival
-    assert 1 <= len(plans_seen) <= 4, f"{plans_seen}: plans for 8 arrivals"
+    assert 1 <= len(plans_seen) <= 3, f"{plans_seen}: plans for 5 arrivals"
     final = (first[1].coord.state.term, first[1].coord.state.epoch)
     # the plan is re-sent after each join and every REPUBLISH_BEATS; gossip may drop one re-send on a
     # loaded machine (CI builds the bundle beside the suite), so allow two
