@@ -29,6 +29,22 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S")
 
 
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    p.add_argument("--api-key-env", default=None, metavar="NAME",
+                   help="require `Authorization: Bearer KEY`, KEY read from environment variable NAME")
+    p.add_argument("--max-concurrent", type=int, default=8, metavar="N",
+                   help="requests generated at once; more get 429 (default: 8)")
+
+
+def _add_entry_addrs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
+                   help="where this entry's node listens (stages connect back to it)")
+    p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
+                   help="an address peers should dial (a port-forward or a public address)")
+
+
 def _add_spec(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (same as --draft none)")
     p.add_argument("--draft", default=None, metavar="REF",
@@ -79,10 +95,12 @@ def cmd_demo(args) -> int:
     from beeswarm.contributor.local import LocalSwarm, LocalSwarmError, threads_per_process
 
     params, entry = _chat_common(args)
-    if args.prompt is not None:
+    if args.serve:
+        api_key = _api_key(args.api_key_env)  # a missing key fails before any process starts
+    elif args.prompt is not None:
         _encode_prompt(entry, args)  # fail on a bad prompt before starting anything
     elif not _interactive():
-        raise UserError("give --prompt TEXT (the chat app needs a terminal)")
+        raise UserError("give --prompt TEXT or --serve (the chat app needs a terminal)")
     draft, tuner = _speculation(args, entry)  # a bad flag fails before any process starts
     stages = min(3, entry.config.num_hidden_layers)
     swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device)
@@ -93,8 +111,10 @@ def cmd_demo(args) -> int:
               f"(logs in {swarm.state_dir})...", file=sys.stderr, flush=True)
         bootstrap = swarm.start()
         swarm.wait_ready()
-        client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"],
-                                    draft=draft, tuner=tuner).start()
+        client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
+                                    announce=args.announce, draft=draft, tuner=tuner).start()
+        if args.serve:
+            return _serve_api(client, entry, args, api_key)
         if args.prompt is not None:
             return _run_chat(client, entry, args, params)
         return _chat_app(client, entry, args, params, side_panel=True)
@@ -335,13 +355,78 @@ def cmd_chat(args) -> int:
     draft, tuner = _speculation(args, entry)
     options = ClientOptions(mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches)
     client = SwarmClient.create(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
-                                options=options, draft=draft, tuner=tuner).start()
+                                listen=args.listen or None, announce=args.announce, options=options, draft=draft,
+                                tuner=tuner).start()
     try:
         if args.prompt is None:
             return _chat_app(client, entry, args, params)
         return _run_chat(client, entry, args, params)
     finally:
         client.close()
+
+
+def _api_key(env_name: str | None) -> str | None:
+    if env_name is None:
+        return None
+    key = os.environ.get(env_name, "")
+    if not key:
+        raise UserError(f"--api-key-env {env_name}: that environment variable is empty or unset")
+    return key
+
+
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible HTTP API over the swarm: this machine is the entry for every request."""
+    from beeswarm.client.swarm import SwarmClient
+    from beeswarm.shard import EntryModel
+
+    api_key = _api_key(args.api_key_env)
+    bootstrap, descriptor = _required_join(args.join, "the swarm to serve")
+    if args.model is None:
+        args.model = descriptor.model if descriptor else "tinycode"
+    entry = EntryModel.load(args.model, args.dtype, args.device)
+    draft, tuner = _speculation(args, entry)
+    client = SwarmClient.create(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
+                                listen=args.listen or None, announce=args.announce, draft=draft,
+                                tuner=tuner).start()
+    try:
+        return _serve_api(client, entry, args, api_key)
+    finally:
+        client.close()
+
+
+def _serve_api(client, entry, args, api_key: str | None) -> int:
+    """Serve HTTP until Ctrl-C or SIGTERM (uvicorn's own handlers stop it gracefully)."""
+    import signal
+    import socket
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from beeswarm.api.app import Api
+    from beeswarm.api.engine import Completer
+
+    if args.max_concurrent < 1:
+        raise UserError("--max-concurrent must be at least 1")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    completer = Completer(client, AutoTokenizer.from_pretrained(str(entry.folder)), args.model)
+    app = Api(completer, api_key, args.max_concurrent).app()
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=args.log_level.lower(),
+                                           access_log=args.log_level in ("DEBUG", "INFO"),
+                                           timeout_graceful_shutdown=5))
+    print(json.dumps({"event": "serving", "url": url, "model": args.model}) if args.json
+          else f"serving {url} (model {args.model}); Ctrl-C stops", flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM then means "done", exit 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[sock])
+    client.node.raise_if_failed()
+    return 0
 
 
 def cmd_status(args) -> int:
@@ -479,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     demo.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    demo.add_argument("--serve", action="store_true", help="serve the OpenAI-compatible API instead of chatting")
+    _add_serve(demo)
+    _add_entry_addrs(demo)
     demo.set_defaults(func=cmd_demo, client_hops=False, heartbeat=1.0)
 
     swarm = sub.add_parser("swarm", help="run a swarm of contributor processes on this machine")
@@ -505,7 +593,21 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--swarm-secret-env", default=None, metavar="NAME")
     chat.add_argument("--heartbeat", type=float, default=3.0, metavar="S", help=argparse.SUPPRESS)
     chat.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_entry_addrs(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible API (/v1/chat/completions) over a swarm")
+    serve.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL", help="the swarm to serve")
+    serve.add_argument("--model", default=None, help="must match the swarm's model (default: the swarm's)")
+    _add_serve(serve)
+    _add_spec(serve)
+    serve.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    serve.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    serve.add_argument("--swarm-secret-env", default=None, metavar="NAME")
+    serve.add_argument("--heartbeat", type=float, default=3.0, metavar="S", help=argparse.SUPPRESS)
+    serve.add_argument("--json", action="store_true", help="print the serving line as a JSON object")
+    _add_entry_addrs(serve)
+    serve.set_defaults(func=cmd_serve)
 
     status = sub.add_parser("status", help="the swarm at a glance: members, layer coverage, coordinator, plans")
     status.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL", help="the swarm to look at")

@@ -118,3 +118,26 @@ def in_terminal(argv: list[str], env: dict, shown: bytes, keys: bytes, timeout: 
         os.close(fd)
     assert typed, f"{shown!r} never shown; the terminal's last output: {seen[-2000:]!r}"
     return os.waitstatus_to_exitcode(status), seen
+
+
+def start_contributors(procs: list, model, n: int, max_memory: int, env: dict, tmp_path) -> tuple[dict, str]:
+    """`n` headless `contribute` processes on 127.0.0.1, each offering `max_memory` bytes, the first the
+    bootstrap; each is added to `procs` as it starts (the caller kills them, even after a failure here).
+    Returns (peer id -> process, the bootstrap address)."""
+    import subprocess
+    import sys
+
+    peers, boot = {}, None
+    for i in range(n):
+        cmd = [sys.executable, "-m", "beeswarm", "contribute", "--headless", "--model", str(model),
+               "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory", str(max_memory), "--heartbeat", "1"]
+        proc = subprocess.Popen(cmd + (["--join", boot] if boot else []), stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True,
+                                env={**env, "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
+        procs.append(proc)
+        q = lines_of(proc)
+        peers[read_until(q, "peer ", 60)[0].split()[1]] = proc
+        if boot is None:
+            boot = read_until(q, "addr ", 10)[0].split()[1]
+    assert boot is not None
+    return peers, boot

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from beeswarm.client.remote import Inbox, RemotePipeline, StageFailed
+from beeswarm.client.remote import Inbox, RemotePipeline, StageBusy, StageFailed
 from beeswarm.contributor.stage import StageServer
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams
@@ -141,17 +141,35 @@ def test_sessions_expire_when_idle_and_need_memory(mesh, tiny_llama):
     entry_node.connect(stage_node.addrs[0])
     pipe = pipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"),
                     [Stage(node=stage_node.peer_id, span=Span(0, 8))])
-    with pytest.raises(StageFailed, match="no memory for a session of 200 tokens"):
+    with pytest.raises(StageBusy, match="no memory for a session of 200 tokens"):  # full, not faulty
         pipe.open(200)
     session = pipe.open(60)
     pipe.forward(session, torch.tensor([1, 2, 3]), 0)
-    with pytest.raises(StageFailed, match="no memory"):
+    with pytest.raises(StageBusy, match="no memory"):
         pipe.open(60)  # 60 + 60 > 100 tokens' worth
     now[0] += 1.0  # idle past the timeout: the session is closed (within a tick of the stage's loop)
     wait_for(lambda: not server.sessions, 5, "the idle session to expire")
     with pytest.raises(StageFailed, match="unknown session"):
         pipe.forward(session, torch.tensor([4]), 3)
     pipe.open(60)
+
+
+def test_a_session_refused_by_a_later_stage_is_closed_on_the_earlier_ones(mesh, tiny_llama):
+    first, second = mesh(2, members=False)
+    servers = [StageServer(first, SpanRuntime(tiny_llama, Span(0, 4), dtype="float32", device="cpu")).start()]
+    runtime = SpanRuntime(tiny_llama, Span(4, 8), dtype="float32", device="cpu")
+    servers.append(StageServer(second, runtime, kv_budget_bytes=runtime.kv_bytes(10)).start())
+    (entry_node,) = mesh(1, members=False, bootstrap=[])
+    for node in (first, second):
+        entry_node.connect(node.addrs[0])
+    first.connect(second.addrs[0])
+    pipe = pipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"),
+                    [Stage(node=first.peer_id, span=Span(0, 4)), Stage(node=second.peer_id, span=Span(4, 8))])
+    with pytest.raises(StageBusy):
+        pipe.open(50)
+    assert not servers[0].sessions  # nothing left holding the first stage's memory until it idles out
+    for server in servers:
+        server.stop()
 
 
 def test_concurrent_opens_share_the_memory_budget_exactly(mesh, tiny_llama):

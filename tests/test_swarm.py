@@ -18,7 +18,7 @@ from beeswarm.contributor.local import budgets
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from beeswarm.shard.tiny import write_tiny_checkpoint
-from helpers import alive, lines_of, read_until, reference_greedy, wait_for
+from helpers import alive, lines_of, read_until, reference_greedy, start_contributors, wait_for
 
 
 @pytest.fixture
@@ -81,22 +81,9 @@ def test_local_swarm_serves_a_chat_joined_by_url_and_stops_cleanly(tiny_llama, e
 
 def test_generation_survives_a_killed_stage(tiny_llama, env, tmp_path):
     """Four contributors, each able to hold half the model; kill -9 a serving one mid-generation."""
-    half = budgets(str(tiny_llama), 2)[0]
-    procs, peers = [], {}
-    boot = None
+    procs: list = []
     try:
-        for i in range(4):
-            cmd = [sys.executable, "-m", "beeswarm", "contribute", "--headless", "--model", str(tiny_llama),
-                   "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory", str(half), "--heartbeat", "1"]
-            proc = subprocess.Popen(cmd + (["--join", boot] if boot else []), stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True,
-                                    env={**env, "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
-            q = lines_of(proc)
-            peer = read_until(q, "peer ", 60)[0].split()[1]
-            peers[peer] = proc
-            if boot is None:
-                boot = read_until(q, "addr ", 10)[0].split()[1]
-            procs.append(proc)
+        peers, boot = start_contributors(procs, tiny_llama, 4, budgets(str(tiny_llama), 2)[0], env, tmp_path)
         entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
         client = SwarmClient.create(entry, [boot], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"]).start()
         try:

@@ -84,6 +84,10 @@ class StageFailed(Exception):
         self.peer = peer
 
 
+class StageBusy(StageFailed):
+    """A healthy stage has no room for a session now (its KV memory or session slots are taken)."""
+
+
 class RemotePipeline:
     def __init__(self, node: Node, inbox: Inbox, entry: EntryModel, route: Route, mode: str = "push",
                  link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0, compress: bool = True):
@@ -120,17 +124,22 @@ class RemotePipeline:
         return sum(link.raw_bytes + link.raw_in for link in self.links.values())
 
     def open(self, max_length: int) -> str:
+        """A session on every stage of the route; if one stage refuses, those already opened are closed."""
         session = os.urandom(8).hex()
         push = self.mode == "push"
         for i, stage in enumerate(self.route):
             prev = self.route[i - 1].node if push and i > 0 else self.node.peer_id
             nxt = self.route[i + 1].node if push and i < len(self.route) - 1 else None
-            self._request(stage, Open(session=session, max_length=max_length, prev=prev, next=nxt, span=stage.span,
-                                      compress=self.compress))
+            try:
+                self._request(stage, Open(session=session, max_length=max_length, prev=prev, next=nxt,
+                                          span=stage.span, compress=self.compress))
+            except StageFailed:
+                self.close_session(session, self.route[:i])
+                raise
         return session
 
-    def close_session(self, session: str) -> None:
-        for stage in self.route:
+    def close_session(self, session: str, stages: Route | None = None) -> None:
+        for stage in self.route if stages is None else stages:
             try:
                 self._request(stage, Close(session=session))
             except StageFailed as e:
@@ -141,7 +150,9 @@ class RemotePipeline:
             reply: Message = self.node.request(stage.node, ids.SESSION, msg, _session_replies,
                                                timeout=self.step_timeout_s)
             return reply
-        except (NodeError, TimeoutError, RemoteError) as e:
+        except RemoteError as e:
+            raise (StageBusy if e.busy else StageFailed)(stage.node, str(e)) from None
+        except (NodeError, TimeoutError) as e:
             raise StageFailed(stage.node, str(e)) from None
 
     def forward(self, session: str, token_ids: torch.Tensor, start: int, tree_mask: torch.Tensor | None = None,

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm import codec
-from beeswarm.client.remote import Inbox, RemotePipeline, Route, StageFailed
+from beeswarm.client.remote import Inbox, RemotePipeline, Route, StageBusy, StageFailed
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.service import CoordinatorService
-from beeswarm.decoding.generate import Generation, generate, new_generator
+from beeswarm.decoding.generate import EndGeneration, Generation, generate, new_generator
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership
@@ -31,6 +31,7 @@ from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES = 5
+BUSY_BACKOFF_S = (0.1, 2.0)  # first wait and cap while every route's stages are full
 
 
 class NoRoute(Exception):
@@ -127,7 +128,7 @@ class SwarmClient:
         `timeout` for one, but fails at once when no bootstrap address can be dialled (naming each)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = self._find_route()
+            found = self.find_route()
             if found is not None:
                 return found
             why = self.node.unreachable()
@@ -137,7 +138,8 @@ class SwarmClient:
         raise NoRoute(f"no complete route through the swarm within {timeout:.0f} s "
                       f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch})")
 
-    def _find_route(self) -> Pipeline | None:
+    def find_route(self) -> Pipeline | None:
+        """A usable route now, or None (`route` waits for one)."""
         connected = set(self.node.connected_peers())  # a stage whose connection dropped is not routed into
         return find_route(self.coordinator.state.active, self.members.view(),
                           lambda peer: peer in connected and not self.node.bans.is_banned(peer))
@@ -169,7 +171,10 @@ class SwarmClient:
                  stop_ids=(), on_token: Callable[[int], None] | None = None,
                  route_timeout: float = 60.0) -> SwarmGeneration:
         """Generate through the swarm, re-routing on failures. Speculates when a draft is set and free
-        (one generation at a time uses the draft; concurrent ones decode a token per pass)."""
+        (one generation at a time uses the draft; concurrent ones decode a token per pass). A stage with no
+        room for the session (StageBusy) is waited for, up to `route_timeout`, not banned. `on_token` may
+        raise EndGeneration to end it there; any other exception ends it too (its sessions closed) and
+        propagates."""
         speculate = self.speculate and self.draft is not None and self._draft_busy.acquire(blocking=False)
         try:
             return self._generate(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout, speculate)
@@ -197,6 +202,7 @@ class SwarmClient:
 
         report = SpecReport() if speculate else None
         limit = self.entry.config.max_position_embeddings
+        busy_until, busy_wait = None, BUSY_BACKOFF_S[0]
         while True:
             pipeline = self.route(route_timeout)
             route = pipeline.stages
@@ -217,9 +223,18 @@ class SwarmClient:
                     else:
                         generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, params,
                                  stop_ids, emit, generator)
+                except EndGeneration:
+                    pass  # the caller has what it wants: a normal end
                 finally:
                     pipe.close_session(session)
                 break
+            except StageBusy as e:  # a full stage is not a broken one: wait for room, up to route_timeout
+                busy_until = busy_until or time.monotonic() + route_timeout
+                if time.monotonic() + busy_wait > busy_until:
+                    raise
+                log.info("%s; trying again in %.1f s", e, busy_wait)
+                time.sleep(busy_wait)
+                busy_wait = min(2 * busy_wait, BUSY_BACKOFF_S[1])
             except StageFailed as e:
                 recoveries += 1
                 log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",

@@ -253,10 +253,11 @@ class Contributor:
 
     # figures ---------------------------------------------------------------------------------------
     def _tick(self) -> None:
-        """Measure the tokens/s served and put it in the heartbeat (peers show it in their tables)."""
+        """Measure the tokens/s served and put it and the open sessions in the heartbeat (peers show them)."""
         served = self.server.tokens if self.server is not None else 0
         self._history.append(self._rate.add(served))
-        self.members.update(load=round(self._history[-1], 2))
+        self.members.update(load=round(self._history[-1], 2),
+                            sessions=len(self.server.sessions) if self.server is not None else 0)
 
     def status(self) -> ContributorStatus:
         """A snapshot of this node and the swarm as it sees it (cheap: the dashboard polls it)."""

@@ -166,7 +166,7 @@ class StageServer:
         with self._lock:
             runtime = self.runtimes.get(msg.span)
             if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
-                return ErrorReply(error=f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})")
+                return ErrorReply(error=f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})", busy=True)
             if runtime is None:
                 return ErrorReply(error=f"this stage serves {', '.join(map(str, sorted(self.runtimes)))}, "
                                         f"not layers {msg.span}")
@@ -175,7 +175,8 @@ class StageServer:
                 used = sum(s.kv_bytes for s in self.sessions.values())
                 if used + need > self.kv_budget_bytes:
                     return ErrorReply(error=f"no memory for a session of {msg.max_length} tokens: it needs {need} "
-                                            f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free")
+                                            f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free",
+                                      busy=True)
             try:
                 runtime.open(key, msg.max_length)
             except SessionError as e:

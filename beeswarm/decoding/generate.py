@@ -13,6 +13,11 @@ from beeswarm.decoding.sampling import SamplingParams, sample
 Forward = Callable[[torch.Tensor, int], torch.Tensor]
 
 
+class EndGeneration(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by an `on_token` callback to end the generation there, keeping the tokens so far (a stop
+    string was seen); the caller gets its result as if a stop id had ended it."""
+
+
 @dataclass
 class Generation:
     tokens: list[int]

@@ -44,7 +44,7 @@ class Member:
 
 def _material(info: NodeInfo) -> NodeInfo:
     """What peers act on: everything but the figures that change every beat."""
-    return msgspec.structs.replace(info, load=0.0, beat_s=0.0)
+    return msgspec.structs.replace(info, load=0.0, sessions=0, beat_s=0.0)
 
 
 Listener = Callable[[str, NodeInfo], None]  # (event: join | update | leave, info)

@@ -110,7 +110,7 @@ class Requests:
                     else:
                         await close_stream(stream)
                     if isinstance(reply, ErrorReply):
-                        raise RemoteError(reply.error)
+                        raise RemoteError(reply.error, reply.busy)
                     return reply
         except trio.TooSlowError:
             raise TimeoutError(f"{protocol} request to {peer} timed out after {timeout} s") from None

@@ -20,7 +20,11 @@ class ProtocolError(Exception):
 
 
 class RemoteError(Exception):
-    """The peer answered a request with an error reply."""
+    """The peer answered a request with an error reply (`busy`: it has no room now, no fault of its own)."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -34,9 +38,11 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
 
 
 class ErrorReply(Message, frozen=True, tag="error"):
-    """The reply to a request that failed; `error` says why."""
+    """The reply to a request that failed; `error` says why. `busy`: the peer is healthy but has no room for
+    this now (memory, session slots): try later or elsewhere, and hold nothing against it."""
 
     error: str = ""
+    busy: bool = False
 
     def __post_init__(self) -> None:
         Message.__post_init__(self)

@@ -33,6 +33,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     # every span served (two while migrating)
     spans: Annotated[tuple[Span, ...], msgspec.Meta(max_length=MAX_SPANS)] = ()
     load: float = 0.0  # tokens/s served
+    sessions: Annotated[int, msgspec.Meta(ge=0)] = 0  # open sessions on its spans
     beat_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0  # the author's heartbeat period (0: unknown)
     state: State = "joining"
     version: Short = __version__

@@ -1,0 +1,1 @@
+"""`beeswarm serve`: an OpenAI-compatible HTTP API over the swarm."""

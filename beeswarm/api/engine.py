@@ -1,0 +1,140 @@
+"""One API request's generation through the swarm: prompt, limits, stop strings, the outcome.
+
+Runs in a worker thread (SwarmClient.generate blocks); the HTTP layer streams what `on_text` gets.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from beeswarm.api.schema import ApiError, ChatMessage
+from beeswarm.api.stops import StopText
+from beeswarm.client.remote import Route, StageBusy, StageFailed
+from beeswarm.client.swarm import NoRoute, SwarmClient
+from beeswarm.client.textstream import TextStream, stop_ids
+from beeswarm.decoding.generate import EndGeneration
+from beeswarm.decoding.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+ROUTE_WAIT_S = 5.0  # how long a request waits for a route before a 503
+
+
+class Cancelled(Exception):
+    """The HTTP client went away: end the generation and free its sessions."""
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stops: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Outcome:
+    completion_tokens: int
+    finish_reason: str  # stop | length
+    route: Route
+    recoveries: int
+    accepted_per_round: float | None
+
+    def extras(self) -> dict[str, Any]:
+        """The `beeswarm` object of a response: clients that do not know it ignore it."""
+        return {"route": [{"peer": s.node, "start": s.span.start, "end": s.span.end} for s in self.route],
+                "recoveries": self.recoveries, "accepted_per_round": self.accepted_per_round}
+
+
+def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of `messages` through the model's chat template; a model without one (tinycode) gets the
+    last user message as plain text."""
+    turns = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(messages)]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template's own checks (roles that must alternate, ...)
+            raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from None
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    users = [t["content"] for t in turns if t["role"] == "user"]
+    if not users:
+        raise ApiError(400, "this model has no chat template: send at least one user message", "messages")
+    return text_prompt(tokenizer, users[-1])
+
+
+def text_prompt(tokenizer: Any, prompt: str | list[str | int]) -> list[int]:
+    """Token ids of a legacy prompt: a string, one string in a list, or token ids (checked by the schema)."""
+    if isinstance(prompt, list) and isinstance(prompt[0], int):
+        ids = [int(t) for t in prompt]
+        vocab = len(tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", "prompt")
+        return ids
+    text = prompt if isinstance(prompt, str) else str(prompt[0])
+    ids = list(tokenizer.encode(text))
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    return ids
+
+
+class Completer:
+    def __init__(self, client: SwarmClient, tokenizer: Any, model_id: str):
+        self.client, self.tokenizer, self.model_id = client, tokenizer, model_id
+        self.context = client.entry.config.max_position_embeddings
+
+    def job(self, prompt_ids: list[int], limit: int | None, temperature: float | None, top_p: float | None,
+            seed: int | None, stops: list[str], param: str, ignore_eos: bool = False) -> Job:
+        """A checked job: the prompt fits the context with room for at least one token."""
+        room = self.context - len(prompt_ids)
+        if room < 1 or limit is not None and limit > room:
+            asked = f" + max_tokens {limit}" if limit is not None else ""
+            raise ApiError(400, f"this model's context is {self.context} tokens; the prompt has {len(prompt_ids)}"
+                                f"{asked}", param, "context_length_exceeded")
+        t = 1.0 if temperature is None else temperature
+        params = SamplingParams(t, 1.0 if top_p is None or t == 0 else top_p, seed)
+        return Job(prompt_ids, limit if limit is not None else room, params, stops, ignore_eos)
+
+    def wait_for_route(self) -> None:
+        try:
+            self.client.route(ROUTE_WAIT_S)
+        except NoRoute as e:
+            raise ApiError(503, f"the swarm has no route right now: {e}", code="no_route",
+                           retry_after=int(ROUTE_WAIT_S)) from None
+
+    def run(self, job: Job, on_text: Callable[[str], None]) -> Outcome:
+        """Generate `job`, passing text to `on_text` as it becomes final (stop strings held back)."""
+        stream, stop = TextStream(self.tokenizer), StopText(job.stops)
+        eos = set() if job.ignore_eos else set(stop_ids(self.tokenizer))
+
+        def on_token(token: int) -> None:
+            if job.cancelled.is_set():
+                raise Cancelled
+            text = stop.push(stream.push(token))
+            if text:
+                on_text(text)
+            if stop.hit:
+                raise EndGeneration
+
+        try:
+            result = self.client.generate(job.prompt_ids, job.max_tokens, job.params, list(eos), on_token,
+                                          route_timeout=ROUTE_WAIT_S)
+        except NoRoute as e:
+            raise ApiError(503, f"the swarm has no route right now: {e}", code="no_route",
+                           retry_after=int(ROUTE_WAIT_S)) from None
+        except StageBusy as e:
+            raise ApiError(503, f"the swarm is full: {e}", code="swarm_busy", retry_after=int(ROUTE_WAIT_S)) from None
+        except StageFailed as e:
+            raise ApiError(503, f"the swarm kept failing: {e}", code="swarm_failed",
+                           retry_after=int(ROUTE_WAIT_S)) from None
+        rest = stop.push(stream.flush()) + stop.flush()
+        if rest:
+            on_text(rest)
+        tokens = result.generation.tokens
+        finished = stop.hit or bool(tokens) and tokens[-1] in eos
+        spec = result.spec.as_json()["accepted_per_round"] if result.spec else None
+        return Outcome(len(tokens), "stop" if finished else "length", result.route, result.recoveries, spec)
