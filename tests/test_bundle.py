@@ -45,6 +45,24 @@ def test_demo_runs_a_local_swarm_from_the_bundle(env):
     assert result["rounds"] >= 1  # tinycode's draft ships in the bundle: speculation is on
 
 
+def test_demo_serves_the_openai_api_from_the_bundle(env):
+    import httpx
+
+    demo = subprocess.Popen([str(BUNDLE), "demo", "--serve", "--port", "0", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line, _ = read_until(lines_of(demo), '{"event": "serving"', 240)
+        url = json.loads(line)["url"]
+        wait_for(lambda: httpx.get(url.removesuffix("/v1") + "/health").status_code == 200, 60, "a route")
+        reply = httpx.post(url + "/chat/completions", timeout=120, json={
+            "model": "tinycode", "messages": [{"role": "user", "content": "def "}], "max_tokens": 6,
+            "temperature": 0}).json()
+        assert reply["usage"]["completion_tokens"] >= 1 and reply["choices"][0]["message"]["content"]
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(30) == 0
+
+
 def test_contribute_and_chat_start_headless_and_quit_cleanly(env, tmp_path):
     swarm = subprocess.Popen([str(BUNDLE), "swarm", "--local", "2", "--json"], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=env)

@@ -156,6 +156,25 @@ def test_election_state_machine_rules():
     assert a.observe(Lease(2, "C")) and not a.is_leader
 
 
+def test_a_paused_follower_does_not_claim_a_live_leaders_term():
+    """SIGSTOP for 30 s, then SIGCONT: the silence was the follower's own; it waits for the leader's beats."""
+    now = [0.0]
+    b = Election("B", 1.0, clock=lambda: now[0])
+    b.observe(Lease(1, "C"))
+    for _ in range(8):
+        now[0] += 0.25
+        assert b.tick({"B", "C"}) is None
+    now[0] += 30.0  # paused
+    assert b.tick({"B", "C"}) is None
+    b.observe(Lease(1, "C"))  # the leader's next beat arrives
+    assert b.current == Lease(1, "C")
+    while now[0] < 45.0:  # but a leader that really went silent is still replaced
+        now[0] += 0.25
+        if b.tick({"B", "C"}) is not None:
+            break
+    assert b.is_leader and b.current.term == 2 and now[0] < 37.0
+
+
 def test_replanning_keeps_a_good_enough_plan_and_migrates_make_before_break():
     def info(peer, layers=None, ms=1.0):
         return NodeInfo(peer=peer, memory_bytes=10**9, state="serving", layers=layers,

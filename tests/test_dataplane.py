@@ -197,3 +197,33 @@ def test_concurrent_opens_share_the_memory_budget_exactly(mesh, tiny_llama):
         t.join()
     assert outcomes.count("opened") == 5
     assert all("no memory" in o for o in outcomes if o != "opened"), outcomes
+
+
+def test_a_span_the_plan_drops_drains_its_sessions_before_it_is_freed(mesh, tiny_llama):
+    """A migration's end: the old span serves the sessions in flight to their end, and no new ones."""
+    (stage_node,) = mesh(1, members=False)
+    old, new = Span(0, 8), Span(0, 4)
+    server = StageServer(stage_node, SpanRuntime(tiny_llama, old, dtype="float32", device="cpu")).start()
+    server.add(SpanRuntime(tiny_llama, new, dtype="float32", device="cpu"))
+    (entry_node,) = mesh(1, members=False, bootstrap=[])
+    entry_node.connect(stage_node.addrs[0])
+    pipe = pipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"),
+                    [Stage(node=stage_node.peer_id, span=old)])
+    prompt = [5, 6, 7]
+    session = pipe.open(64)
+    tokens: list[int] = []
+
+    def forward(t, s):
+        if len(tokens) == 4:  # mid-generation: the plan moves on to the new span
+            server.keep_only({new})
+            assert server.spans == (new,)
+        return pipe.forward(session, t, s)
+
+    got = generate(forward, prompt, 12, SamplingParams(), on_token=tokens.append)
+    assert got.tokens == reference_greedy(tiny_llama, prompt, 12)  # the session in flight went on to its end
+    with pytest.raises(StageFailed, match="not layers"):
+        pipe.open(64)  # no new session on a draining span
+    assert old in server.runtimes
+    pipe.close_session(session)
+    assert old not in server.runtimes and server.spans == (new,)  # its last session ended: freed
+    server.stop()

@@ -286,3 +286,25 @@ def test_bans_grow_with_each_ban_and_expire():
     assert bans.strike("p", "timed out", severe=True)  # one severe strike bans at once, for twice as long
     assert bans.remaining("p") == 2 * BASE_S
     assert not bans.is_banned("q")
+
+
+def test_a_paused_node_does_not_drop_the_members_that_kept_beating(mesh):
+    """SIGSTOP, then SIGCONT: the node's clock jumps; its members' silence timers start again instead of
+    every member being dropped at once (and rejoining a beat later, re-planning the swarm twice)."""
+    from beeswarm.p2p.membership import Membership, NodeInfo
+
+    offset = [0.0]
+    left: list[str] = []
+
+    def paused_clock(node):
+        node.members = Membership(node, NodeInfo(peer=node.peer_id), interval=INTERVAL,
+                                  clock=lambda: time.monotonic() + offset[0])
+        node.members.listeners.append(lambda event, info: left.append(info.peer) if event == "leave" else None)
+        node.members.start()
+
+    (a,) = mesh(1)
+    (b,) = mesh(1, bootstrap=[a.addrs[0]], members=False, setup=paused_clock)
+    wait_for(lambda: a.peer_id in b.members.view(), 10, "b to see a")
+    offset[0] += 30.0  # as if b had been stopped for 30 s while a kept beating
+    time.sleep(4 * INTERVAL)
+    assert a.peer_id in b.members.view() and not left

@@ -22,6 +22,7 @@ from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.p2p.probe import Prober
 from beeswarm.protocol.coordinator import Pipeline
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.shard.entry import EntryModel
@@ -103,6 +104,7 @@ class SwarmClient:
 
     def start(self) -> SwarmClient:
         self.inbox.start()
+        Prober(self.node).start()  # stages measure their links to this entry (the codec sizes frames by them)
         self.members.start()
         self.coordinator.start()
         self.node.start()

@@ -316,7 +316,7 @@ class Contributor:
             if self.server is not None:  # keep what clients route over (active) and what comes next (target)
                 self.server.keep_only({s.span for s in target + stages_of(state.active, me)})
                 self.members.update(spans=self.server.spans)
-                if self.span is not None and self.span not in self.server.runtimes:
+                if self.span is not None and self.span not in self.server.spans:
                     self.span = None  # the plan moved on without it
                     self.members.update(layers=None, state=self._resting_state())
             mine = target[0] if target else None

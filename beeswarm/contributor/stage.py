@@ -99,6 +99,7 @@ class StageServer:
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.runtimes: dict[Span, SpanRuntime] = {}
+        self._draining: set[Span] = set()  # spans the plan dropped, kept until their sessions end
         self.add(runtime)
 
     def start(self) -> StageServer:
@@ -118,18 +119,29 @@ class StageServer:
         """Serve another span (the new one of a migration) beside the current ones."""
         with self._lock:
             self.runtimes[runtime.span] = runtime
+            self._draining.discard(runtime.span)
 
     def keep_only(self, spans: set[Span]) -> None:
-        """Drop every span not in `spans`; its sessions end (their entries re-route and re-prefill)."""
+        """Serve only `spans` to new sessions. A span dropped here drains: the sessions in flight on it go on
+        to their end (or idle out), then it is freed; ending them now would make their entries re-route,
+        prefill again and blame a healthy stage."""
         with self._lock:
-            self.runtimes = {span: r for span, r in self.runtimes.items() if span in spans}
-            live = set(self.runtimes.values())
-            self.sessions = {k: s for k, s in self.sessions.items() if s.runtime in live}
+            self._draining = {span for span in self.runtimes if span not in spans}
+            self._free_drained()
+
+    def _free_drained(self) -> None:
+        """(Under the lock.) Free the draining spans no session uses any more."""
+        used = {s.runtime.span for s in self.sessions.values()}
+        for span in [s for s in self._draining if s not in used]:
+            del self.runtimes[span]
+            self._draining.discard(span)
+            log.info("layers %s freed: the plan moved on and their last session ended", span)
 
     @property
     def spans(self) -> tuple[Span, ...]:
-        """Every span served, in order (two while a migration is under way)."""
-        return tuple(sorted(self.runtimes))
+        """Every span served to new sessions, in order (two while a migration is under way)."""
+        with self._lock:
+            return tuple(sorted(span for span in self.runtimes if span not in self._draining))
 
     @property
     def traffic(self) -> Traffic:
@@ -158,18 +170,19 @@ class StageServer:
         if isinstance(msg, Close):
             with self._lock:
                 session = self.sessions.pop(key, None)
+                self._free_drained()
             if session is None:
                 return ErrorReply(error=f"unknown session {msg.session!r}")
             session.runtime.close(key)
             return Closed()
         # One lock over check, allocation and insert: concurrent opens must not both pass the budget.
         with self._lock:
-            runtime = self.runtimes.get(msg.span)
+            runtime = self.runtimes.get(msg.span) if msg.span not in self._draining else None
             if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
                 return ErrorReply(error=f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})", busy=True)
             if runtime is None:
-                return ErrorReply(error=f"this stage serves {', '.join(map(str, sorted(self.runtimes)))}, "
-                                        f"not layers {msg.span}")
+                served = sorted(set(self.runtimes) - self._draining)
+                return ErrorReply(error=f"this stage serves {', '.join(map(str, served))}, not layers {msg.span}")
             need = runtime.kv_bytes(msg.max_length)
             if self.kv_budget_bytes is not None:
                 used = sum(s.kv_bytes for s in self.sessions.values())
@@ -191,6 +204,7 @@ class StageServer:
             stale = [s for s in self.sessions.values() if s.last_used < cutoff]
             for s in stale:
                 del self.sessions[s.key]
+            self._free_drained()
         for s in stale:
             log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)
             s.runtime.close(s.key)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 MISSED_BEATS = 2.5
 BACKOFF_BEATS = 2  # extra silence each later-ranked candidate waits
+PAUSED_BEATS = 2.0  # ticks this far apart mean this process was paused (SIGSTOP, a debugger, swapping)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Election:
         self.me, self.interval, self.eligible, self.clock = me, interval, eligible, clock
         self.current: Lease | None = None
         self.last_heard = clock()
+        self._last_tick: float | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -61,9 +63,14 @@ class Election:
 
     def tick(self, candidates: set[str]) -> Lease | None:
         """Call often. Returns a new lease when this node has just claimed leadership."""
+        now = self.clock()
+        paused = self._last_tick is not None and now - self._last_tick > PAUSED_BEATS * self.interval
+        self._last_tick = now
+        if paused:  # the silence was ours, not the leader's: give its beats time to reach us again
+            self.last_heard = now
         if self.is_leader or not self.eligible:
             return None
-        silence = self.clock() - self.last_heard
+        silence = now - self.last_heard
         dead = self.current.leader if self.current else None
         ranked = sorted((candidates | {self.me}) - {dead})
         wait = (MISSED_BEATS + BACKOFF_BEATS * ranked.index(self.me)) * self.interval

@@ -8,6 +8,8 @@ What grows with the swarm is kept flat per node:
 - Liveness: a member is gone `interval` after its connection to us dropped without coming back (a
   killed process is noticed in about a second), or after MISSED_BEATS of *its own* period without a
   heartbeat.
+- A pause of this process (SIGSTOP, swapping) is not everyone else's silence: when the loop wakes
+  PAUSED_BEATS intervals late, every member's silence timer starts again.
 - Mesh completion dials each member directly (stages and probes need direct links), with backoff
   per unreachable member.
 """
@@ -30,6 +32,7 @@ from beeswarm.protocol.membership import Heartbeat, Leave, NodeInfo
 log = logging.getLogger(__name__)
 
 MISSED_BEATS = 3
+PAUSED_BEATS = 2.0  # loop turns this far apart mean this process was paused (SIGSTOP, a debugger, swapping)
 TARGET_BEATS_PER_S = 8.0  # heartbeats a node receives per second from the whole swarm
 MAX_BEAT_S = 60.0
 DIAL_BACKOFF_S = (1.0, 30.0)  # first retry, cap
@@ -181,10 +184,21 @@ class Membership:
                 self._lost.pop(info.peer, None)
         return gone
 
+    def _resumed(self, now: float, paused_s: float) -> None:
+        log.warning("this process was paused for %.1f s: members get a fresh grace before they count as gone",
+                    paused_s)
+        with self._lock:
+            self._members = {peer: Member(m.info, now) for peer, m in self._members.items()}
+            self._lost = {peer: now for peer in self._lost}
+
     async def _beat(self) -> None:
         next_beat = last_sent = 0.0
+        last_turn: float | None = None
         while True:
             now = self.clock()
+            if last_turn is not None and now - last_turn > PAUSED_BEATS * self.interval:
+                self._resumed(now, now - last_turn)
+            last_turn = now
             period = self.period()
             self.update(addrs=tuple(self.node.addrs), beat_s=period)
             changed = self._published is None or _material(self._published) != _material(self._info)
