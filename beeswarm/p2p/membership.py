@@ -200,7 +200,8 @@ class Membership:
                 self._resumed(now, now - last_turn)
             last_turn = now
             period = self.period()
-            self.update(addrs=tuple(self.node.addrs), beat_s=period)
+            if now >= next_beat:  # addresses rarely change, and reading them costs a system call each
+                self.update(addrs=tuple(self.node.addrs), beat_s=period)
             changed = self._published is None or _material(self._published) != _material(self._info)
             if now >= next_beat or changed and now - last_sent >= self.interval / 4:
                 try:

@@ -36,7 +36,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-from beeswarm.p2p import addresses, auth, hardening, logs
+from beeswarm.p2p import addresses, auth, hardening, logs, tuning
 from beeswarm.p2p.bans import BanList
 from beeswarm.p2p.channel import Channel, ChannelClosed, NodeError, PeerUnavailable, quiet_reset, reason, within  # noqa: F401 - errors re-exported for callers of the node
 from beeswarm.p2p.identity import Identity
@@ -46,6 +46,7 @@ from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, Pro
 log = logging.getLogger(__name__)
 logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
 hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop the host: contained (see hardening.py)
+tuning.install()  # and two of its per-message costs that grow with the swarm, cut (see tuning.py)
 
 GOSSIPSUB = TProtocol("/meshsub/1.0.0")
 STOP_TIMEOUT_S = 2.0
