@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgspec
 import pytest
@@ -227,3 +228,24 @@ def test_a_span_the_plan_drops_drains_its_sessions_before_it_is_freed(mesh, tiny
     pipe.close_session(session)
     assert old not in server.runtimes and server.spans == (new,)  # its last session ended: freed
     server.stop()
+
+
+def test_a_stage_that_stops_beating_fails_the_waiting_step_at_once_and_may_come_back(chain, tiny_llama):
+    """A frozen stage (SIGSTOP: its connection stays up) is known by its silence; the entry fails the step
+    then instead of after the 30 s step timeout, and routes through it again once it beats again."""
+    entry_node, entry, route, stages, servers = chain
+    pipe = pipeline(entry_node, entry, route)
+    session = pipe.open(64)
+    pipe.forward(session, torch.tensor([5, 6, 7]), 0)
+    thawed, run_batch = threading.Event(), servers[1]._run_batch
+    servers[1]._run_batch = lambda batch: (thawed.wait(30), run_batch(batch))  # frozen; its node stays connected
+    threading.Timer(0.5, pipe.lose, (stages[1].peer_id, "stopped beating")).start()
+    t0 = time.monotonic()
+    with pytest.raises(StageFailed, match="stopped beating") as e:
+        pipe.forward(session, torch.tensor([8]), 3)
+    assert e.value.peer == stages[1].peer_id and time.monotonic() - t0 < 10  # not the 30 s step timeout
+    thawed.set()
+    pipe.found(stages[1].peer_id)  # it beats again
+    session = pipe.open(64)
+    got = generate(lambda t, s: pipe.forward(session, t, s), [5, 6, 7], 8, SamplingParams())
+    assert got.tokens == reference_greedy(tiny_llama, [5, 6, 7], 8)

@@ -104,14 +104,17 @@ class RemotePipeline:
         self.step_timeout_s = step_timeout_s
         self.links = {stage.node: codec.LinkCodec(link_bytes_per_s) for stage in route}
         self._inbox = inbox
-        self._lost: set[str] = set()  # route peers whose connection dropped: fail fast, not after a timeout
+        self._lost: dict[str, str] = {}  # route peer -> why it is gone: fail fast, not after the step timeout
         node.on_peer_disconnected.append(self._on_disconnected)
+        node.on_peer_connected.append(self.found)
         self._channels = ChannelPool(node)
         self._step_ids = itertools.count()
 
     def close(self) -> None:
         if self._on_disconnected in self.node.on_peer_disconnected:
             self.node.on_peer_disconnected.remove(self._on_disconnected)
+        if self.found in self.node.on_peer_connected:
+            self.node.on_peer_connected.remove(self.found)
         self._channels.close()
 
     # bytes on the wire as the entry saw them (its own sends and what came back)
@@ -196,8 +199,10 @@ class RemotePipeline:
     def _await(self, session: str, step: int, stage: Stage) -> torch.Tensor:
         got = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
         if got is None:
-            if self._lost:
-                raise StageFailed(next(iter(self._lost)), "connection lost")
+            lost = dict(self._lost)
+            if lost:
+                peer, why = next(iter(lost.items()))
+                raise StageFailed(peer, why)
             raise StageFailed(stage.node, f"no result for step {step} within {self.step_timeout_s} s")
         sender, reply = got
         last = self.route[-1] if self.mode == "push" else stage
@@ -212,7 +217,15 @@ class RemotePipeline:
         except (codec.CodecError, ProtocolError) as e:
             raise StageFailed(last.node, f"bad result frame: {e}") from None
 
-    def _on_disconnected(self, peer: str) -> None:
+    def lose(self, peer: str, why: str) -> None:
+        """`peer` is gone (its connection dropped, or it stopped beating): steps waiting on the route fail now."""
         if any(s.node == peer for s in self.route):
-            self._lost.add(peer)
+            self._lost[peer] = why
             self._inbox.wake()
+
+    def found(self, peer: str) -> None:
+        """`peer` is back (reconnected, or beating again): this pipeline may route through it again."""
+        self._lost.pop(peer, None)
+
+    def _on_disconnected(self, peer: str) -> None:
+        self.lose(peer, "connection lost")

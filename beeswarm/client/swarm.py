@@ -103,6 +103,7 @@ class SwarmClient:
         return cls(entry, node, members, coordinator, options, draft, tuner)
 
     def start(self) -> SwarmClient:
+        self.members.listeners.append(self._on_member)
         self.inbox.start()
         Prober(self.node).start()  # stages measure their links to this entry (the codec sizes frames by them)
         self.members.start()
@@ -110,6 +111,17 @@ class SwarmClient:
         self.node.start()
         threading.Thread(target=codec.warm_up, daemon=True, name="codec-warm-up").start()
         return self
+
+    def _on_member(self, event: str, info: NodeInfo) -> None:
+        """A stage that stops beating (frozen, its host asleep, its link gone without a reset) fails the steps
+        waiting on it within its missed-beats window, not after the 30 s step timeout."""
+        with self._lock:
+            pipes = list(self._pipes.values())
+        for pipe in pipes:
+            if event == "leave" and info.state != "leaving":  # one leaving gracefully finishes its steps first
+                pipe.lose(info.peer, "stopped beating (gone from the swarm's view)")
+            elif event == "join":
+                pipe.found(info.peer)
 
     @property
     def traffic(self) -> tuple[int, int]:
