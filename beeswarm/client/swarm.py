@@ -104,6 +104,7 @@ class SwarmClient:
 
     def start(self) -> SwarmClient:
         self.members.listeners.append(self._on_member)
+        self.coordinator.listeners.append(lambda _: self._route_around_silent_stages())
         self.inbox.start()
         Prober(self.node).start()  # stages measure their links to this entry (the codec sizes frames by them)
         self.members.start()
@@ -113,15 +114,27 @@ class SwarmClient:
         return self
 
     def _on_member(self, event: str, info: NodeInfo) -> None:
-        """A stage that stops beating (frozen, its host asleep, its link gone without a reset) fails the steps
-        waiting on it within its missed-beats window, not after the 30 s step timeout."""
+        if event == "join":
+            with self._lock:
+                pipes = list(self._pipes.values())
+            for pipe in pipes:
+                pipe.found(info.peer)
+        elif event == "leave" and info.state != "leaving":  # one leaving gracefully finishes its steps first
+            self._route_around_silent_stages()
+
+    def _route_around_silent_stages(self) -> None:
+        """Steps waiting on a stage that stopped beating (frozen, its host asleep, its link gone without a
+        reset) fail now, instead of after the 30 s step timeout, once another route exists: until then a
+        short freeze is better waited out than routed around (a spare must load the span first)."""
+        if self.find_route() is None:
+            return
+        view = self.members.view()
         with self._lock:
             pipes = list(self._pipes.values())
         for pipe in pipes:
-            if event == "leave" and info.state != "leaving":  # one leaving gracefully finishes its steps first
-                pipe.lose(info.peer, "stopped beating (gone from the swarm's view)")
-            elif event == "join":
-                pipe.found(info.peer)
+            for stage in pipe.route:
+                if stage.node not in view:
+                    pipe.lose(stage.node, "stopped beating (gone from the swarm's view)")
 
     @property
     def traffic(self) -> tuple[int, int]:
