@@ -156,6 +156,23 @@ def test_election_state_machine_rules():
     assert a.observe(Lease(2, "C")) and not a.is_leader
 
 
+def test_a_dead_leaders_higher_term_does_not_hold_a_follower_back():
+    """Chaos seed 1: the clients followed term 7, whose leader was killed; the contributors left had elected
+    a leader of term 2 in a partition of their own, and the clients ignored its beats and plans for 120 s."""
+    now = [0.0]
+    client = Election("Z", 1.0, eligible=False, clock=lambda: now[0])
+    client.observe(Lease(7, "C", 3))
+    now[0] += 1.0
+    assert not client.observe(Lease(2, "D", 1))  # C is alive as far as anyone knows: the higher term wins
+    now[0] += 2.0  # C silent for 3 beats
+    assert client.observe(Lease(2, "D", 1)) and client.current == Lease(2, "D", 1)
+    leader = Election("A", 1.0, clock=lambda: now[0])
+    now[0] += 3.0
+    assert leader.tick({"A"}) == Lease(1, "A")
+    now[0] += 10.0  # a leader hears nobody's beats but its own: it is never "silent"
+    assert not leader.observe(Lease(0, "B", 5)) and leader.is_leader
+
+
 def test_a_paused_follower_does_not_claim_a_live_leaders_term():
     """SIGSTOP for 30 s, then SIGCONT: the silence was the follower's own; it waits for the leader's beats."""
     now = [0.0]

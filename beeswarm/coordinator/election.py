@@ -49,11 +49,16 @@ class Election:
             self.current = Lease(lease.term, lease.leader, max(lease.epoch, self.current.epoch))
             self.last_heard = self.clock()
             return True
-        if lease.beats(self.current):
+        if lease.beats(self.current) or self.silent():  # a dead leader's higher term holds no one back
             self.current = lease
             self.last_heard = self.clock()
             return True
         return False
+
+    def silent(self) -> bool:
+        """The lease followed (someone else's) has not been heard for MISSED_BEATS intervals."""
+        return self.current is not None and not self.is_leader and \
+            self.clock() - self.last_heard > MISSED_BEATS * self.interval
 
     def joined(self) -> None:
         """This node has just met the swarm: give its coordinator's heartbeats time to reach it before

@@ -183,18 +183,25 @@ class CoordinatorService:
                 signed.coordinator == self.state.coordinator:
             return  # the plan this node follows, sent again for newcomers
         if lease is None or signed.coordinator != lease.leader or signed.term != lease.term or \
-                (signed.term, signed.epoch) <= (self.state.term, self.state.epoch):
+                not self._newer(signed.term, signed.epoch, signed.coordinator):
             self.ignored_plans += 1
             log.info("ignoring plan %d/%d from %s (following %s)", signed.term, signed.epoch, author, lease)
             return
         self._apply(signed)
 
+    def _newer(self, term: int, epoch: int, coordinator: str) -> bool:
+        """Is (term, epoch) of `coordinator`, the leader followed, newer than the plan held? A plan of another
+        coordinator or term is older whatever its numbers: the lease decides whom to follow, even a lower
+        term once the higher one's leader has gone silent."""
+        held = self.state
+        return (held.coordinator, held.term) != (coordinator, term) or epoch > held.epoch
+
     def _check_behind(self, author: str, beat: LeaseBeat) -> None:
         """Pull the plan from the coordinator when two beats in a row show an epoch this node lacks (one beat
         may just have overtaken the plan's gossip)."""
         lease = self.election.current
-        if lease is None or lease.leader != author or self.is_leader or beat.epoch == 0 or \
-                (beat.term, beat.epoch) <= (self.state.term, self.state.epoch):
+        if lease is None or lease.leader != author or lease.term != beat.term or self.is_leader or \
+                beat.epoch == 0 or not self._newer(beat.term, beat.epoch, author):
             self._behind = None
             return
         if self._behind is not None and self._behind[0] == beat.term:
