@@ -85,7 +85,8 @@ class StageFailed(Exception):
 
 
 class StageBusy(StageFailed):
-    """A healthy stage has no room for a session now (its KV memory or session slots are taken)."""
+    """A healthy stage cannot take a session now: its KV memory or session slots are taken, or it does not
+    serve the span the entry's plan names (yet, or any more)."""
 
 
 class RemotePipeline:

@@ -182,7 +182,9 @@ class StageServer:
                 return ErrorReply(error=f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})", busy=True)
             if runtime is None:
                 served = sorted(set(self.runtimes) - self._draining)
-                return ErrorReply(error=f"this stage serves {', '.join(map(str, served))}, not layers {msg.span}")
+                # the entry's plan is ahead of or behind this stage's: not a fault, try again on the next plan
+                return ErrorReply(error=f"this stage serves {', '.join(map(str, served))}, not layers {msg.span}",
+                                  busy=True)
             need = runtime.kv_bytes(msg.max_length)
             if self.kv_budget_bytes is not None:
                 used = sum(s.kv_bytes for s in self.sessions.values())

@@ -38,8 +38,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
 
 
 class ErrorReply(Message, frozen=True, tag="error"):
-    """The reply to a request that failed; `error` says why. `busy`: the peer is healthy but has no room for
-    this now (memory, session slots): try later or elsewhere, and hold nothing against it."""
+    """The reply to a request that failed; `error` says why. `busy`: the peer is healthy but cannot take this
+    now (no memory or session slot left, or not serving that span yet or any more): try later or elsewhere,
+    and hold nothing against it."""
 
     error: str = ""
     busy: bool = False
