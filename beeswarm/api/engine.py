@@ -4,7 +4,6 @@ Runs in a worker thread (SwarmClient.generate blocks); the HTTP layer streams wh
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,15 +11,18 @@ from typing import Any
 
 from beeswarm.api.schema import ApiError, ChatMessage
 from beeswarm.api.stops import StopText
+from beeswarm.client.chat import template_ids
 from beeswarm.client.remote import Route, StageBusy, StageFailed
 from beeswarm.client.swarm import NoRoute, SwarmClient
 from beeswarm.client.textstream import TextStream, stop_ids
 from beeswarm.decoding.generate import EndGeneration
 from beeswarm.decoding.sampling import SamplingParams
 
-log = logging.getLogger(__name__)
-
 ROUTE_WAIT_S = 5.0  # how long a request waits for a route before a 503
+
+
+def no_route(e: NoRoute) -> ApiError:
+    return ApiError(503, f"the swarm has no route right now: {e}", code="no_route", retry_after=int(ROUTE_WAIT_S))
 
 
 class Cancelled(Exception):
@@ -57,10 +59,9 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     turns = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(messages)]
     if getattr(tokenizer, "chat_template", None):
         try:
-            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+            return template_ids(tokenizer, turns)
         except Exception as e:  # noqa: BLE001 - a template's own checks (roles that must alternate, ...)
             raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from None
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     users = [t["content"] for t in turns if t["role"] == "user"]
     if not users:
         raise ApiError(400, "this model has no chat template: send at least one user message", "messages")
@@ -103,8 +104,7 @@ class Completer:
         try:
             self.client.route(ROUTE_WAIT_S)
         except NoRoute as e:
-            raise ApiError(503, f"the swarm has no route right now: {e}", code="no_route",
-                           retry_after=int(ROUTE_WAIT_S)) from None
+            raise no_route(e) from None
 
     def run(self, job: Job, on_text: Callable[[str], None]) -> Outcome:
         """Generate `job`, passing text to `on_text` as it becomes final (stop strings held back)."""
@@ -124,8 +124,7 @@ class Completer:
             result = self.client.generate(job.prompt_ids, job.max_tokens, job.params, list(eos), on_token,
                                           route_timeout=ROUTE_WAIT_S)
         except NoRoute as e:
-            raise ApiError(503, f"the swarm has no route right now: {e}", code="no_route",
-                           retry_after=int(ROUTE_WAIT_S)) from None
+            raise no_route(e) from None
         except StageBusy as e:
             raise ApiError(503, f"the swarm is full: {e}", code="swarm_busy", retry_after=int(ROUTE_WAIT_S)) from None
         except StageFailed as e:

@@ -16,6 +16,12 @@ from beeswarm.client.textstream import TextStream, stop_ids
 from beeswarm.decoding.sampling import SamplingParams
 
 
+def template_ids(tokenizer, turns: list[dict[str, str]]) -> list[int]:
+    """Token ids of `turns` through the tokenizer's chat template, ready for the assistant's reply."""
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 class Stopped(Exception):
     """The user stopped the reply (it keeps what was generated so far)."""
 
@@ -65,9 +71,7 @@ class ChatSession:
 
     def _prompt_ids(self, text: str) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None):
-            turns = self.turns + [{"role": "user", "content": text}]
-            ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return template_ids(self.tokenizer, self.turns + [{"role": "user", "content": text}])
         return self.context + self.tokenizer.encode(text)  # no template: plain continuation
 
     def send(self, text: str, on_text: Callable[[str], None]) -> Reply:

@@ -127,7 +127,7 @@ class CoordinatorService:
         self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
         self._republish_at = 0.0
         self._planned_input: tuple[Cluster, int, int] | None = None  # what the last planning ran on
-        self._behind: tuple[int, int] | None = None  # a lease beat's (term, epoch) newer than the plan held
+        self._behind: int | None = None  # the term of the last lease beat whose epoch this node lacked
         self.pulled_plans = 0
 
     def start(self) -> None:
@@ -204,11 +204,11 @@ class CoordinatorService:
                 beat.epoch == 0 or not self._newer(beat.term, beat.epoch, author):
             self._behind = None
             return
-        if self._behind is not None and self._behind[0] == beat.term:
+        if self._behind == beat.term:
             self.node.spawn(self._pull_plan, author)
             self._behind = None  # the next pull waits for two more beats
         else:
-            self._behind = (beat.term, beat.epoch)
+            self._behind = beat.term
 
     async def _pull_plan(self, coordinator: str) -> None:
         try:

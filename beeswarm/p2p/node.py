@@ -46,7 +46,7 @@ from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, Pro
 log = logging.getLogger(__name__)
 logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
 hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop the host: contained (see hardening.py)
-tuning.install()  # and two of its per-message costs that grow with the swarm, cut (see tuning.py)
+tuning.install()  # and three of its per-message costs that grow with the swarm, cut (see tuning.py)
 
 GOSSIPSUB = TProtocol("/meshsub/1.0.0")
 STOP_TIMEOUT_S = 2.0

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 import time
 import types
 import weakref
@@ -37,9 +36,8 @@ import libp2p.tools.anyio_service.trio_tasks as trio_tasks_module
 RECORD_REFRESH_S = 600.0
 
 _consume = pubsub_utils.maybe_consume_signed_record
+_task_ids = types.SimpleNamespace(uuid4=itertools.count().__next__)  # one counter however often installed
 _verified: weakref.WeakKeyDictionary[Any, dict[Any, tuple[bytes, float]]] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-_installed = False
 
 
 async def _window_update(self: Any, *, bytes_read: int = 0) -> None:
@@ -78,13 +76,8 @@ def _consume_once(msg: Any, host: Any, peer_id: Any) -> bool:
 
 
 def install() -> None:
-    """Apply both (once)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        _installed = True
+    """Apply the three (each replaces a function outright, so applying them again changes nothing)."""
     yamux_module.YamuxStream._auto_tune_and_send_window_update = _window_update  # type: ignore[method-assign]
-    trio_tasks_module.uuid = types.SimpleNamespace(uuid4=itertools.count().__next__)  # type: ignore[assignment]
+    trio_tasks_module.uuid = _task_ids  # type: ignore[assignment]
     for module in (pubsub_utils, pubsub_module, gossipsub_module):  # the latter two imported it by name
         module.maybe_consume_signed_record = _consume_once  # type: ignore[attr-defined]
