@@ -15,10 +15,13 @@ from collections.abc import Callable
 import torch
 
 from beeswarm import codec
+from beeswarm.audit import commitments
+from beeswarm.audit.auditor import Auditor
 from beeswarm.p2p.channel import Channel, ChannelPool, NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, Message, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol.audit import Evidence
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.session import Close, Closed, Open, Opened
 from beeswarm.protocol.step import Keep, Result, Step, StepError
@@ -91,8 +94,10 @@ class StageBusy(StageFailed):
 
 class RemotePipeline:
     def __init__(self, node: Node, inbox: Inbox, entry: EntryModel, route: Route, mode: str = "push",
-                 link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0, compress: bool = True):
-        """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons).
+                 link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0, compress: bool = True,
+                 auditor: Auditor | None = None):
+        """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons);
+        `auditor`: gets every step's checked commitments (None: they are checked, then dropped).
         Call `close()` when done with it: it stops watching the route's connections."""
         if mode not in ("push", "hops"):
             raise ValueError(f"mode must be push or hops, got {mode!r}")
@@ -110,6 +115,8 @@ class RemotePipeline:
         node.on_peer_connected.append(self.found)
         self._channels = ChannelPool(node)
         self._step_ids = itertools.count()
+        self.auditor = auditor
+        self._sent: dict[tuple[str, int], tuple[bytes, bytes]] = {}  # step -> digests of its context and input
 
     def close(self) -> None:
         if self._on_disconnected in self.node.on_peer_disconnected:
@@ -143,6 +150,8 @@ class RemotePipeline:
         return session
 
     def close_session(self, session: str, stages: Route | None = None) -> None:
+        for key in [k for k in list(self._sent) if k[0] == session]:  # steps never awaited (a failure)
+            self._sent.pop(key, None)
         for stage in self.route if stages is None else stages:
             try:
                 self._request(stage, Close(session=session))
@@ -189,15 +198,18 @@ class RemotePipeline:
         frame = tensors.encode(hidden, self.links[stage.node], "auto" if self.compress else "raw")
         msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame,
                    mask=tensors.encode_mask(tree_mask), keep=keep)
+        self._sent[(session, step)] = (commitments.context(start, msg.mask, keep), commitments.digest(hidden))
         self._inbox.expect((session, step))
         try:
             self._channels.send(stage.node, ids.STEP, encode(msg))
         except NodeError as e:
             self._inbox.wait((session, step), 0)
+            self._sent.pop((session, step), None)
             raise StageFailed(stage.node, str(e)) from None
         return step
 
     def _await(self, session: str, step: int, stage: Stage) -> torch.Tensor:
+        sent = self._sent.pop((session, step))
         got = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
         if got is None:
             lost = dict(self._lost)
@@ -214,9 +226,40 @@ class RemotePipeline:
         if sender != last.node:
             raise StageFailed(last.node, f"result came from {sender}, not the route's stage")
         try:
-            return tensors.decode(reply.frame, self.links[last.node], self.node.config.max_tensor_bytes)
+            hidden = tensors.decode(reply.frame, self.links[last.node], self.node.config.max_tensor_bytes)
         except (codec.CodecError, ProtocolError) as e:
             raise StageFailed(last.node, f"bad result frame: {e}") from None
+        stages = self.route if self.mode == "push" else (stage,)
+        self._check_commits(session, step, stages, sent, reply, hidden)
+        if self.auditor is not None:
+            self.auditor.observe(session, reply.commits)
+        return hidden
+
+    def _check_commits(self, session: str, step: int, stages: Route, sent: tuple[bytes, bytes], reply: Result,
+                       hidden: torch.Tensor) -> None:
+        """Every stage's commitment must be there, signed, and chained: each one's input what the one before
+        it sent, the first one's what this entry sent, the last one's output what came back. An honest stage
+        checks its predecessor's before computing, so the first stage whose commitment breaks the chain is
+        the one to blame; where both links are signed by stages, that is evidence for everyone."""
+        context, previous = sent
+        commits = reply.commits
+        if len(commits) != len(stages):
+            raise StageFailed(stages[-1].node, f"{len(commits)} commitments for a route of {len(stages)} stages")
+        for i, (stage, c) in enumerate(zip(stages, commits, strict=True)):
+            if c.stage != stage.node or c.step != step or c.span != stage.span or \
+                    not commitments.verify(c, self.node.peer_id, session):
+                # stage i+1 carried a commitment it should have refused; the last stage sent it itself
+                blamed = stages[min(i + 1, len(stages) - 1)].node
+                raise StageFailed(blamed, f"the commitment of stage {i} for step {step} is missing or forged")
+            if c.context != context or c.input != previous:
+                if i > 0 and self.auditor is not None:
+                    self.auditor.accuse(Evidence(kind="chain", accused=c.stage, accuser=self.node.peer_id,
+                                                 session=session, span=c.span, commits=(commits[i - 1], c),
+                                                 detail=f"step {step}"))
+                raise StageFailed(c.stage, f"step {step}: it signed for an input it was not sent")
+            previous = c.output
+        if previous != commitments.digest(hidden):
+            raise StageFailed(stages[-1].node, f"step {step}: the result is not what it committed to")
 
     def lose(self, peer: str, why: str) -> None:
         """`peer` is gone (its connection dropped, or it stopped beating): steps waiting on the route fail now."""

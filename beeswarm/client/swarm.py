@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm import codec
+from beeswarm.audit.auditor import DEFAULT_RATE, AuditCounts, Auditor
 from beeswarm.client.remote import Inbox, RemotePipeline, Route, StageBusy, StageFailed
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.service import CoordinatorService
@@ -25,7 +26,9 @@ from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.p2p.probe import Prober
 from beeswarm.protocol.coordinator import Pipeline
 from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.spans import Span
 from beeswarm.shard.entry import EntryModel
+from beeswarm.shard.span import SpanRuntime
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
@@ -68,6 +71,7 @@ class ClientOptions:
     link_bytes_per_s: float | None = None  # None: the stages' probes of their links to this node
     micro_batches: int | None = None  # chunks a prompt is cut into (None: the plan's figure)
     compress: bool = True  # False: raw frames on every hop (the baseline the benchmarks compare against)
+    audit_rate: float = DEFAULT_RATE  # of each stage's steps audited (0: none)
 
 
 class SwarmClient:
@@ -86,6 +90,37 @@ class SwarmClient:
         self._pipes: dict[Route, RemotePipeline] = {}
         self._retired = (0, 0)  # (wire, raw) bytes of pipelines closed since
         self._lock = threading.Lock()
+        self._audit_runtimes: dict[Span, SpanRuntime] = {}
+        self._audit_lock = threading.Lock()
+        self.auditor = Auditor(node, self._audit_runtime, self.options.audit_rate, self._caught, self._coordinator) \
+            if self.options.audit_rate > 0 else None
+        self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
+
+    @property
+    def audits(self) -> AuditCounts:
+        return self.auditor.counts if self.auditor else AuditCounts()
+
+    def _audit_runtime(self, span: Span) -> SpanRuntime:
+        """The layers of `span`, loaded once, to recompute audited steps with (the entry's dtype and device:
+        the swarm's)."""
+        with self._audit_lock:
+            if span not in self._audit_runtimes:
+                log.info("loading layers %s to audit with", span)
+                self._audit_runtimes[span] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype, self.entry.device)
+            return self._audit_runtimes[span]
+
+    def _coordinator(self) -> str | None:
+        lease = self.coordinator.lease
+        return lease.leader if lease else None
+
+    def _caught(self, peer: str, why: str) -> None:
+        """A stage failed or refused an audit: ban it, and fail the steps waiting on it now."""
+        self.caught[peer] = why
+        self.node.bans.strike(peer, why, severe=True)
+        with self._lock:
+            pipes = list(self._pipes.values())
+        for pipe in pipes:
+            pipe.lose(peer, why)
 
     @classmethod
     def create(cls, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None, interval: float = 3.0,
@@ -148,6 +183,8 @@ class SwarmClient:
             pipes, self._pipes = list(self._pipes.values()), {}
         for pipe in pipes:
             pipe.close()
+        if self.auditor is not None:
+            self.auditor.close()
         self.node.stop()
 
     def route(self, timeout: float = 60.0) -> Pipeline:
@@ -182,7 +219,7 @@ class SwarmClient:
                              self._retired[1] + sum(p.raw_bytes for p in retired))
             if route not in self._pipes:
                 self._pipes[route] = RemotePipeline(self.node, self.inbox, self.entry, route, o.mode,
-                                                    o.link_bytes_per_s, compress=o.compress)
+                                                    o.link_bytes_per_s, compress=o.compress, auditor=self.auditor)
             pipe = self._pipes[route]
         for old in retired:
             old.close()
@@ -196,24 +233,31 @@ class SwarmClient:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids=(), on_token: Callable[[int], None] | None = None,
-                 route_timeout: float = 60.0) -> SwarmGeneration:
+                 route_timeout: float = 60.0, on_rewind: Callable[[int], None] | None = None) -> SwarmGeneration:
         """Generate through the swarm, re-routing on failures. Speculates when a draft is set and free
         (one generation at a time uses the draft; concurrent ones decode a token per pass). A stage with no
         room for the session (StageBusy) is waited for, up to `route_timeout`, not banned. `on_token` may
         raise EndGeneration to end it there; any other exception ends it too (its sessions closed) and
-        propagates."""
+        propagates.
+
+        Before it returns, the generation waits for its audits. A stage caught by one computed some of the
+        tokens: they are taken back (`on_rewind(n)`: only the first n tokens stand) and generated again on a
+        route without it, so what is returned never rests on a stage caught lying."""
         speculate = self.speculate and self.draft is not None and self._draft_busy.acquire(blocking=False)
         try:
-            return self._generate(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout, speculate)
+            return self._generate(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout, speculate,
+                                  on_rewind)
         finally:
             if speculate:
                 self._draft_busy.release()
 
     def _generate(self, prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
-                  speculate: bool) -> SwarmGeneration:
+                  speculate: bool, on_rewind) -> SwarmGeneration:
         generator = new_generator(params)
         tokens: list[int] = []
         routes: list[Route] = []
+        starts: list[int] = []  # tokens there were when each route was taken
+        sessions: list[str] = []
         wire = raw = 0
         t0, ttft, recoveries = time.perf_counter(), None, 0
         last = t0  # the time of the last token: closing the sessions after it is not generation time
@@ -227,6 +271,18 @@ class SwarmClient:
             if on_token:
                 on_token(token)
 
+        def rewind(caught: set[str]) -> None:
+            """Take back every token from the first route through a caught stage on."""
+            nonlocal generator
+            keep = next((n for r, n in zip(routes, starts) if any(s.node in caught for s in r)), len(tokens))
+            if keep < len(tokens):
+                log.warning("taking back %d tokens computed through %s", len(tokens) - keep, ", ".join(caught))
+                del tokens[keep:]
+                if keep == 0:
+                    generator = new_generator(params)
+                if on_rewind:
+                    on_rewind(keep)
+
         report = SpecReport() if speculate else None
         limit = self.entry.config.max_position_embeddings
         busy_until, busy_wait = None, BUSY_BACKOFF_S[0]
@@ -234,11 +290,13 @@ class SwarmClient:
             pipeline = self.route(route_timeout)
             route = pipeline.stages
             routes.append(route)
+            starts.append(len(tokens))
             pipe = self._pipeline(route)
             wire0, raw0 = pipe.wire_bytes, pipe.raw_bytes
             try:
                 max_length = min(limit, len(prompt_ids) + max_new_tokens + (MAX_TREE_NODES + 1 if speculate else 0))
                 session = pipe.open(max_length)
+                sessions.append(session)
                 try:
                     m = self.options.micro_batches or pipeline.micro_batches
                     context, left = prompt_ids + tokens, max_new_tokens - len(tokens)
@@ -254,7 +312,13 @@ class SwarmClient:
                     pass  # the caller has what it wants: a normal end
                 finally:
                     pipe.close_session(session)
-                break
+                caught = self.auditor.settle(sessions) if self.auditor else set()
+                if not caught:
+                    break
+                rewind(caught)
+                recoveries += 1
+                if recoveries > MAX_RECOVERIES:
+                    raise StageFailed(next(iter(caught)), "caught by an audit, and no honest route left")
             except StageBusy as e:  # a full stage is not a broken one: wait for room, up to route_timeout
                 busy_until = busy_until or time.monotonic() + route_timeout
                 if time.monotonic() + busy_wait > busy_until:
@@ -264,6 +328,8 @@ class SwarmClient:
                 busy_wait = min(2 * busy_wait, BUSY_BACKOFF_S[1])
             except StageFailed as e:
                 recoveries += 1
+                if e.peer in self.caught:
+                    rewind({e.peer})
                 log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",
                             e, len(prompt_ids) + len(tokens))
                 self.node.bans.strike(e.peer, str(e), severe=True)

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from beeswarm.audit import evidence
+from beeswarm.audit.faults import Fault
 from beeswarm.contributor.stage import StageServer
 from beeswarm.contributor.status import (
     HISTORY,
@@ -103,6 +105,7 @@ class Contributor:
         self._history: deque[float] = deque(maxlen=HISTORY)
         self._benching = threading.Lock()
         self._workers: list[threading.Thread] = []  # span loads and re-benchmarks, joined when leaving
+        self._judging: SpanRuntime | None = None  # a span loaded to check evidence with
 
     @classmethod
     def create(cls, identity: Identity, options: ContributorOptions,
@@ -114,7 +117,23 @@ class Contributor:
                              interval=o.interval)
         coordinator = CoordinatorService(node, members, model_shape(o.model, o.device, o.dtype),
                                          Workload(context_tokens=o.context_tokens), interval=o.interval)
-        return cls(identity, options, node, members, coordinator, Prober(node), say)
+        contributor = cls(identity, options, node, members, coordinator, Prober(node), say)
+        coordinator.judge = functools.partial(evidence.judge, runtime_for=contributor._audit_runtime,
+                                              max_bytes=node.config.max_tensor_bytes)
+        return contributor
+
+    def _audit_runtime(self, span: Span) -> SpanRuntime:
+        """The layers to check evidence with: the served span's own, or `span` loaded for it (the last kept)."""
+        with self._lock:
+            served = self.server.runtimes.get(span) if self.server else None
+            if served is None and self._judging is not None and self._judging.span == span:
+                served = self._judging
+        if served is None:
+            log.info("loading layers %s to check evidence against them", span)
+            served = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device)
+            with self._lock:
+                self._judging = served
+        return served
 
     def run(self) -> None:
         """Serve until `stop()` (or a signal handler calling it); then leave gracefully. Raises NodeFailed
@@ -347,7 +366,8 @@ class Contributor:
             if self.server is None:
                 weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
                 self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
-                                          link_rate=self._link_rate).start()
+                                          link_rate=self._link_rate,
+                                          fault=Fault.from_env(runtime.folder, runtime.hidden_size)).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading, self.offload_fraction = span, None, offload_fraction

@@ -28,11 +28,16 @@ import msgspec
 import torch
 
 from beeswarm import codec
+from beeswarm.audit import commitments
+from beeswarm.audit.evidence import reveal
+from beeswarm.audit.faults import Fault
+from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.p2p.channel import Channel, ChannelPool, NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, Span, encode, ids
+from beeswarm.protocol.audit import Reveal
 from beeswarm.protocol.session import Close, Closed, Open, Opened
-from beeswarm.protocol.step import Result, Step, StepError
+from beeswarm.protocol.step import Commit, Result, Step, StepError
 from beeswarm.shard import tensors
 from beeswarm.shard.errors import SessionError
 from beeswarm.shard.span import SpanRuntime, StepInput
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 16
 MAX_SESSIONS_PER_PEER = 64
 _session_requests: Decoder[Open | Close] = Decoder(Open, Close)
+_reveal_requests: Decoder[Reveal] = Decoder(Reveal)
 
 
 @dataclass
@@ -55,6 +61,10 @@ class _Session:
     last_used: float
     compress: bool = True  # False: raw frames (the entry asked for no compression, for comparisons)
     kv_bytes: int = 0  # the KV cache allocated for it
+
+
+class _PreviousLied(ProtocolError):
+    """The previous stage's commitment is missing, forged, or not what it sent."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,8 @@ class Traffic:
 class _Step:
     sender: str
     msg: Step
+    context: bytes = b""  # digests of its arguments and input hidden states, for its commitment
+    input: bytes = b""
 
     @property
     def key(self) -> str:
@@ -83,10 +95,12 @@ class StageServer:
     def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
                  link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None,
                  link_rate: Callable[[str], float | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, step_log: StepLog | None = None,
+                 fault: Fault | None = None):
         """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows);
         `link_rate(peer)`: measured bytes/s towards a peer (link probes), for the codec's choice;
-        `clock`: monotonic seconds, for idle expiry."""
+        `clock`: monotonic seconds, for idle expiry; `step_log`: what is kept for audits' reveals;
+        `fault`: misbehave on purpose (tests only, see `audit.faults`)."""
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
         self.clock = clock
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
@@ -99,11 +113,15 @@ class StageServer:
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.runtimes: dict[Span, SpanRuntime] = {}
+        self.step_log = step_log or StepLog(clock=clock)
+        self.fault = fault
+        self.reveals = 0
         self._draining: set[Span] = set()  # spans the plan dropped, kept until their sessions end
         self.add(runtime)
 
     def start(self) -> StageServer:
         self.node.serve(ids.SESSION, self._on_session, _session_requests)
+        self.node.serve(ids.AUDIT, self._on_reveal, _reveal_requests)
         self.node.serve_channel(ids.STEP, self._on_step_channel)
         self._worker = threading.Thread(target=self._compute_loop, name="stage-compute", daemon=True)
         self._worker.start()
@@ -174,6 +192,7 @@ class StageServer:
             if session is None:
                 return ErrorReply(error=f"unknown session {msg.session!r}")
             session.runtime.close(key)
+            self.step_log.end(key)
             return Closed()
         # One lock over check, allocation and insert: concurrent opens must not both pass the budget.
         with self._lock:
@@ -210,6 +229,7 @@ class StageServer:
         for s in stale:
             log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)
             s.runtime.close(s.key)
+            self.step_log.end(s.key)
 
     # steps ------------------------------------------------------------------------------------
     def _on_step_channel(self, channel: Channel) -> None:
@@ -251,6 +271,8 @@ class StageServer:
             try:
                 prepared = self._prepare(item)
                 ready.setdefault(prepared[1].runtime, []).append(prepared)
+            except _PreviousLied as e:
+                self._fail(item, str(e), culprit=item.sender)
             except (ProtocolError, SessionError, codec.CodecError) as e:
                 self._fail(item, str(e))
         for runtime, steps in ready.items():
@@ -261,7 +283,10 @@ class StageServer:
                 outputs = [self._step_alone(runtime, item, step) for item, _, step in steps]  # find the bad one
             for (item, session, step), out in zip(steps, outputs):
                 if out is not None:
-                    self._forward(item, session, out)
+                    if self.fault is not None:
+                        out = self.fault.apply(step.hidden, out)
+                    out = out.detach().to("cpu")
+                    self._forward(item, session, out, self._commit(item, session, step, out))
                     self.tokens += step.hidden.shape[0]
             self.steps += len(steps)
 
@@ -281,20 +306,57 @@ class StageServer:
         if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
         mask = tensors.decode_mask(msg.mask, hidden.shape[0]) if hidden.dim() == 2 else None
+        item.context, item.input = commitments.context(msg.start, msg.mask, msg.keep), commitments.digest(hidden)
+        self._check_previous(item, session)
         if msg.keep is not None:  # the last speculative round's accepted path, sent with the next step
             session.runtime.keep(session.key, msg.keep.start, list(msg.keep.indices))
         session.last_used = self.clock()
         return item, session, StepInput(session.key, hidden, msg.start, mask)
 
-    def _forward(self, item: _Step, session: _Session, out: torch.Tensor) -> None:
+    def _check_previous(self, item: _Step, session: _Session) -> None:
+        """The previous stage's commitment must be the last one carried, signed, and name what arrived: an
+        honest stage never computes on (or signs) a step its predecessor did not commit to."""
+        commits, msg = item.msg.commits, item.msg
+        if session.prev == session.entry:
+            if commits:
+                raise ProtocolError("the entry's step carries commitments")
+            return
+        prev = commits[-1] if commits else None
+        if prev is None or prev.stage != session.prev or prev.step != msg.step or \
+                not commitments.verify(prev, session.entry, session.session):
+            raise _PreviousLied("the previous stage's commitment is missing or does not verify")
+        if prev.output != item.input or prev.context != item.context:
+            raise _PreviousLied("what arrived is not what the previous stage committed to")
+
+    def _commit(self, item: _Step, session: _Session, step: StepInput, out: torch.Tensor) -> Commit:
+        """Sign this step's commitment and keep the step for a reveal (`out` on the host)."""
+        msg = item.msg
+        commit = commitments.sign(self.node.identity.key_pair, session.entry, session.session, Commit(
+            stage=self.node.peer_id, step=msg.step, span=session.runtime.span, context=item.context,
+            input=item.input, output=commitments.digest(out), sig=b""))
+        self.step_log.record(session.key, LoggedStep(msg.step, msg.start, msg.mask, msg.keep,
+                                                     step.hidden.detach().to("cpu"), out))
+        return commit
+
+    def _on_reveal(self, peer: str, msg: Reveal) -> Message:
+        """A session's steps up to one, for its entry (and no one else: they are its user's text)."""
+        steps = self.step_log.upto(f"{peer}/{msg.session}", msg.step)
+        if steps is None:
+            return ErrorReply(error=f"step {msg.step} of session {msg.session!r} is not kept here")
+        self.reveals += 1
+        return reveal(self.node.identity.key_pair, self.node.peer_id, peer, msg.session, steps)
+
+    def _forward(self, item: _Step, session: _Session, out: torch.Tensor, commit: Commit) -> None:
         layout = "auto" if session.compress else "raw"
         target = session.entry if session.next is None else session.next
         frame = tensors.encode(out, self.link(target), layout)
         reply: Message
+        commits = (*item.msg.commits, commit)
         if session.next is None:
-            protocol, reply = ids.RESULT, Result(session=session.session, step=item.msg.step, frame=frame)
+            protocol, reply = ids.RESULT, Result(session=session.session, step=item.msg.step, frame=frame,
+                                                 commits=commits)
         else:
-            protocol, reply = ids.STEP, msgspec.structs.replace(item.msg, frame=frame)
+            protocol, reply = ids.STEP, msgspec.structs.replace(item.msg, frame=frame, commits=commits)
         try:
             self._out.send(target, protocol, encode(reply))
         except NodeError as e:

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import trio
 
+from beeswarm.audit.evidence import Judgement
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Election, Lease
@@ -35,7 +36,16 @@ from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode, ids
-from beeswarm.protocol.coordinator import LeaseBeat, Pipeline, PlanRequest, PlanState, SignedPlan, assignments
+from beeswarm.protocol.audit import Evidence, Verdict
+from beeswarm.protocol.coordinator import (
+    Exclusion,
+    LeaseBeat,
+    Pipeline,
+    PlanRequest,
+    PlanState,
+    SignedPlan,
+    assignments,
+)
 from beeswarm.protocol.membership import NodeInfo
 
 log = logging.getLogger(__name__)
@@ -47,6 +57,7 @@ SETTLE_BEATS = 1.0
 MAX_WAIT_BEATS = 4.0
 REPUBLISH_BEATS = 10.0
 DEFAULT_LINK = (50.0, 100.0, 100.0)  # rtt ms, up, down Mbit/s assumed until a probe measures the pair
+SENTENCE_S = 24 * 3600.0  # how long upheld evidence keeps a node out of plans
 
 
 def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, workload: Workload) -> Cluster:
@@ -113,8 +124,12 @@ class CoordinatorService:
 
     def __init__(self, node: Node, members: Membership, model: ModelShape, workload: Workload | None = None,
                  interval: float = 3.0, eligible: bool = True, replan_threshold: float = 0.10,
-                 clock: Callable[[], float] = time.monotonic, planner: Callable[[Cluster], Plan] = plan):
+                 clock: Callable[[], float] = time.monotonic, planner: Callable[[Cluster], Plan] = plan,
+                 judge: Callable[[Evidence], Judgement] | None = None):
+        """`judge`: checks evidence sent to this node while it leads (None: it takes none; clients)."""
         self.node, self.members, self.model, self.clock, self.planner = node, members, model, clock, planner
+        self.judge = judge
+        self.sentences: dict[str, Exclusion] = {}  # nodes kept out of plans by upheld evidence
         self.workload = workload or Workload()
         self.interval, self.replan_threshold = interval, replan_threshold
         self.election = Election(node.peer_id, interval, eligible, clock)
@@ -126,13 +141,15 @@ class CoordinatorService:
         self._last_beat = 0.0
         self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
         self._republish_at = 0.0
-        self._planned_input: tuple[Cluster, int, int] | None = None  # what the last planning ran on
+        self._planned_input: tuple[Cluster, int, int, frozenset[str]] | None = None  # what the last planning ran on
         self._behind: int | None = None  # the term of the last lease beat whose epoch this node lacked
         self.pulled_plans = 0
 
     def start(self) -> None:
         self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
         self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
+        if self.judge is not None:
+            self.node.serve(ids.EVIDENCE, self._on_evidence, Decoder(Evidence, limit=self.node.config.max_tensor_bytes))
         self.members.listeners.append(self._on_member)
         self.node.add_task(self._loop)
 
@@ -228,6 +245,20 @@ class CoordinatorService:
             return ErrorReply(error="this node holds no current plan")
         return self._signed
 
+    def _on_evidence(self, peer: str, evidence: Evidence) -> Message:
+        """Judge an accusation (in a worker thread: it may recompute a span) and sentence whom it names."""
+        if not self.is_leader or self.judge is None:
+            return ErrorReply(error="this node is not the coordinator", busy=True)
+        if evidence.accuser != peer:
+            raise ProtocolError("evidence is taken from its accuser only")
+        judgement = self.judge(evidence)  # ProtocolError (unsigned) strikes the sender
+        sentence = Exclusion(judgement.excluded, judgement.reason[:500], until=time.time() + SENTENCE_S)
+        log.warning("excluding %s for %.0f h: %s", sentence.node, SENTENCE_S / 3600, sentence.reason)
+        with self._lock:
+            self.sentences[sentence.node] = sentence
+        self.mark_dirty()
+        return Verdict(excluded=sentence.node, reason=sentence.reason)
+
     def _apply(self, state: PlanState) -> None:
         self.state = state
         for listener in list(self.listeners):
@@ -247,6 +278,8 @@ class CoordinatorService:
                 log.info("claimed coordinator lease, term %d", claim.term)
                 self._dirty, self._dirty_since, self._last_change, self._last_beat = True, 0.0, 0.0, 0.0
                 self._signed = None  # a plan of an earlier term is no one's to re-send
+                with self._lock:  # the sentences of the coordinators before stand
+                    self.sentences = {e.node: e for e in self.state.excluded if e.until} | self.sentences
             now = self.clock()
             lease = self.election.current
             if lease is not None and self.is_leader:
@@ -268,9 +301,14 @@ class CoordinatorService:
             log.debug("coordinator publish failed: %s", e)
 
     async def _replan(self) -> None:
-        view = {**self.members.view(), self.node.peer_id: self.members.info}
+        now = time.time()
+        with self._lock:
+            self.sentences = {node: e for node, e in self.sentences.items() if e.until > now}
+            sentenced = set(self.sentences)
+        view = {peer: info for peer, info in {**self.members.view(), self.node.peer_id: self.members.info}.items()
+                if peer not in sentenced}
         cluster = cluster_from_members(view, self.model, self.workload)
-        given = lambda: (cluster, self.state.term, self.state.epoch)  # noqa: E731
+        given = lambda: (cluster, self.state.term, self.state.epoch, frozenset(sentenced))  # noqa: E731
         if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
             return  # nothing the plan depends on changed
         try:
@@ -286,7 +324,9 @@ class CoordinatorService:
             return
         active, target = next_assignment(cluster, result.pipelines, result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
-        if (active, target, result.excluded) == (self.state.active, self.state.target, self.state.excluded) and \
+        with self._lock:
+            excluded = result.excluded + tuple(self.sentences.values())
+        if (active, target, excluded) == (self.state.active, self.state.target, self.state.excluded) and \
                 self.state.coordinator == self.node.peer_id:
             return  # the same assignments: no new epoch (newcomers get the current plan re-sent)
         with self._lock:  # the lease may have been lost while planning ran in its thread: re-check
@@ -295,7 +335,7 @@ class CoordinatorService:
             log.info("lost the lease while planning: the plan is not published")
             return
         state = PlanState(term=lease.term, epoch=lease.epoch, coordinator=self.node.peer_id,
-                          objective=result.objective, active=active, target=target, excluded=result.excluded)
+                          objective=result.objective, active=active, target=target, excluded=excluded)
         self._signed = plans.sign(self.node.identity.key_pair, state)
         self._republish_at = self.clock() + REPUBLISH_BEATS * self.interval
         await self._publish(self._signed)

@@ -36,8 +36,13 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Exclusion(msgspec.Struct, frozen=True):
+    """A node the plan leaves out, and why. `until` (unix seconds) marks a sentence, not a planning
+    figure: the coordinator upheld evidence against it (a failed audit, or a false accusation), and every
+    coordinator after it keeps it out until then."""
+
     node: PeerId
     reason: Annotated[str, msgspec.Meta(max_length=500)]
+    until: float = 0.0
 
 
 Pipelines = Annotated[tuple[Pipeline, ...], msgspec.Meta(max_length=MAX_PIPELINES)]

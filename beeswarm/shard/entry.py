@@ -10,8 +10,10 @@ from beeswarm.shard.device import resolve_device, resolve_dtype
 
 
 class EntryModel:
-    def __init__(self, folder: Path, dtype="auto", device="auto"):
+    def __init__(self, folder: Path, dtype="auto", device="auto", ref: str | None = None):
+        """`ref`: the model as the user named it (a folder or hub id), for loading other parts of it later."""
         self.folder = Path(folder)
+        self.ref = ref or str(folder)
         self.config = loader.load_config(self.folder)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -20,7 +22,7 @@ class EntryModel:
 
     @classmethod
     def load(cls, ref: str, dtype="auto", device="auto") -> EntryModel:
-        return cls(checkpoint.resolve(ref, checkpoint.Parts(embed=True, head=True)), dtype, device)
+        return cls(checkpoint.resolve(ref, checkpoint.Parts(embed=True, head=True)), dtype, device, ref)
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,7 @@
+"""Audits: catch a stage that computes something other than its span, with evidence anyone can check.
+
+`commitments`: digests and signatures on the data path; `retention`: what a stage keeps for reveals;
+`replay`: recomputing revealed steps and the tolerance outputs must meet; `evidence`: examining a
+reveal against commitments and judging an accusation; `auditor`: the entry's random audits;
+`faults`: the dishonest stage modes tests switch on.
+"""

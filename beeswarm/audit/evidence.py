@@ -1,0 +1,146 @@
+"""Examine a reveal against commitments, and judge an accusation as anyone can: from signatures and a
+recomputation, trusting neither the accuser nor the accused.
+
+The entry runs `examine` on its own audits; the coordinator runs `judge` on the evidence it is sent.
+A reveal that cannot be checked (undecodable, unsigned) proves nothing against its author; the entry
+treats it as a refusal, and nobody else hears of it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+from libp2p.crypto.keys import KeyPair
+
+from beeswarm import codec
+from beeswarm.audit import commitments
+from beeswarm.audit.replay import first_mismatch
+from beeswarm.audit.retention import LoggedStep
+from beeswarm.protocol import ProtocolError, Span, encode
+from beeswarm.protocol.audit import Evidence, EvidenceKind, Revealed, RevealedStep, reveal_body
+from beeswarm.protocol.step import Commit
+from beeswarm.shard import tensors
+from beeswarm.shard.span import SpanRuntime
+
+RuntimeFor = Callable[[Span], SpanRuntime]  # a span's layers, to recompute with
+
+
+class RevealRefused(Exception):
+    """The stage did not reveal, or revealed something that cannot be checked."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: EvidenceKind
+    detail: str
+
+
+def _digests(steps: Sequence[LoggedStep]) -> list[tuple[bytes, bytes, bytes]]:
+    return [(commitments.context(s.start, s.mask, s.keep), commitments.digest(s.input), commitments.digest(s.output))
+            for s in steps]
+
+
+def reveal(key_pair: KeyPair, stage: str, entry: str, session: str, steps: Sequence[LoggedStep]) -> Revealed:
+    """A stage's signed reveal of `steps` (frames in the stateless codec, compressed where it pays)."""
+    unsigned = Revealed(stage=stage, session=session, steps=tuple(
+        RevealedStep(s.step, s.start, s.mask, s.keep, tensors.encode(s.input), tensors.encode(s.output))
+        for s in steps))
+    return msgspec.structs.replace(unsigned, sig=commitments.sign_bytes(
+        key_pair, reveal_body(entry, unsigned, _digests(steps))))
+
+
+def read_reveal(revealed: Revealed, entry: str, max_bytes: int) -> list[LoggedStep]:
+    """The revealed steps as tensors, once their signature checks; RevealRefused otherwise."""
+    try:
+        steps = [LoggedStep(s.step, s.start, s.mask, s.keep, tensors.decode(s.input, max_bytes=max_bytes),
+                            tensors.decode(s.output, max_bytes=max_bytes)) for s in revealed.steps]
+    except (codec.CodecError, ProtocolError, ValueError, RuntimeError) as e:
+        raise RevealRefused(f"undecodable reveal: {e}") from None
+    if not commitments.verify_bytes(revealed.stage, reveal_body(entry, revealed, _digests(steps)), revealed.sig):
+        raise RevealRefused("the reveal's signature does not verify")
+    return steps
+
+
+def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_for: RuntimeFor,
+            max_bytes: int = codec.DEFAULT_MAX_BYTES, complete: bool = False) -> Finding | None:
+    """What is wrong with a stage's reveal, given its (verified) commitments for the session, or None.
+
+    `complete`: `commits` are all the stage's commitments for the session up to the last revealed step
+    (the entry holds them all), so a revealed step without one was made up. A third party cannot know
+    that (the accuser chooses what it hands over), so it only checks the steps it has commitments for.
+    """
+    if not commits:
+        raise ValueError("nothing to examine: no commitments")
+    steps = read_reveal(revealed, entry, max_bytes)
+    if not steps or steps[-1].step != max(c.step for c in commits):
+        raise RevealRefused("the reveal does not end at the step asked for")
+    by_step = {c.step: c for c in commits}
+    revealed_ids = {s.step for s in steps}
+    for c in commits:
+        if c.step not in revealed_ids:
+            return Finding("contradiction", f"the reveal leaves out step {c.step}, which it signed a commitment for")
+    for s, (ctx, given, sent) in zip(steps, _digests(steps), strict=True):
+        c = by_step.get(s.step)
+        if c is None:
+            if complete:
+                return Finding("contradiction", f"the reveal has a step {s.step} it never committed to")
+            continue
+        for what, ours, theirs in (("arguments", ctx, c.context), ("input", given, c.input),
+                                   ("output", sent, c.output)):
+            if ours != theirs:
+                return Finding("contradiction", f"step {s.step}: the revealed {what} does not hash to its commitment")
+    if len({c.span for c in commits}) != 1:
+        raise ValueError("commitments of more than one span")
+    mismatch = first_mismatch(runtime_for(commits[0].span), steps, set(by_step))
+    if mismatch is not None:
+        return Finding("wrong", f"step {mismatch.step}: its output is {mismatch.error:.1e} away from the "
+                                f"recomputation (tolerance {mismatch.tolerance:.0e})")
+    return None
+
+
+def sign_evidence(key_pair: KeyPair, evidence: Evidence) -> Evidence:
+    return msgspec.structs.replace(evidence, sig=commitments.sign_bytes(
+        key_pair, encode(msgspec.structs.replace(evidence, sig=b""))))
+
+
+@dataclass(frozen=True)
+class Judgement:
+    excluded: str  # the accused, or the accuser of a false accusation
+    reason: str
+    upheld: bool
+
+
+def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> Judgement:
+    """Check an accusation from its signatures (and a recomputation for `wrong`). ProtocolError when the
+    accuser did not sign it (then it is nobody's word)."""
+    if not commitments.verify_bytes(ev.accuser, encode(msgspec.structs.replace(ev, sig=b"")), ev.sig):
+        raise ProtocolError("the evidence is not signed by the accuser it names")
+
+    def false(why: str) -> Judgement:
+        return Judgement(ev.accuser, f"false accusation against {ev.accused}: {why}", False)
+
+    def upheld(why: str) -> Judgement:
+        return Judgement(ev.accused, f"audit ({ev.kind}): {why} (evidence from {ev.accuser})", True)
+
+    if not ev.commits or any(not commitments.verify(c, ev.accuser, ev.session) for c in ev.commits):
+        return false("a commitment in the evidence does not verify")
+    if ev.kind == "chain":
+        if len(ev.commits) != 2:
+            return false("a chain accusation holds two commitments")
+        prev, mine = ev.commits
+        if mine.stage != ev.accused or prev.stage == ev.accused or prev.step != mine.step:
+            return false("the commitments are not the accused's and its previous stage's for one step")
+        if mine.input != prev.output or mine.context != prev.context:
+            return upheld(f"step {mine.step}: it signed an input the previous stage did not send")
+        return false("the chain is consistent")
+    if ev.revealed is None or ev.revealed.stage != ev.accused or ev.revealed.session != ev.session or \
+            any(c.stage != ev.accused or c.span != ev.span for c in ev.commits):
+        return false("the reveal and commitments are not the accused's")
+    try:
+        finding = examine(ev.accuser, ev.commits, ev.revealed, runtime_for, max_bytes)
+    except RevealRefused as e:
+        return false(str(e))
+    if finding is None:
+        return false("its reveal matches its commitments and the recomputation")
+    return upheld(finding.detail)

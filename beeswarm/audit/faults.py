@@ -1,0 +1,70 @@
+"""A dishonest stage, for tests and benchmarks only: `BEESWARM_TEST_FAULT=mode[@fraction]` in a
+contributor's environment makes its stage misbehave on that fraction of steps (default all). No user
+sets it; a contributor that has it logs a warning at start. Modes:
+
+- noise: random hidden states of the output's scale
+- identity: its input sent on unchanged (skips its layers to save power)
+- bias: its output nudged by 5% of its norm along one token's LM-head row (pushes that token's logit)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from beeswarm.shard import checkpoint
+
+log = logging.getLogger(__name__)
+
+ENV = "BEESWARM_TEST_FAULT"
+MODES = ("noise", "identity", "bias")
+BIAS_TOKEN = 1
+BIAS_SCALE = 0.05
+
+
+@dataclass(frozen=True)
+class Fault:
+    mode: str
+    fraction: float = 1.0
+    direction: torch.Tensor | None = None  # bias: a unit vector
+
+    @classmethod
+    def from_env(cls, folder: Path, hidden_size: int) -> Fault | None:
+        spec = os.environ.get(ENV, "").strip()
+        if not spec:
+            return None
+        mode, _, fraction = spec.partition("@")
+        if mode not in MODES:
+            raise ValueError(f"{ENV}={spec!r}: the mode is one of {', '.join(MODES)}")
+        direction = _token_direction(folder, hidden_size) if mode == "bias" else None
+        fault = cls(mode, float(fraction) if fraction else 1.0, direction)
+        log.warning("TEST FAULT ON: this stage returns wrong activations (%s on %.0f%% of steps)",
+                    mode, 100 * fault.fraction)
+        return fault
+
+    def apply(self, given: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if random.random() >= self.fraction:
+            return out
+        if self.mode == "noise":
+            return torch.randn_like(out) * out.float().std().to(out.dtype)
+        if self.mode == "identity":
+            return given.to(device=out.device, dtype=out.dtype)
+        assert self.direction is not None
+        push = self.direction.to(device=out.device, dtype=out.dtype)
+        return out + BIAS_SCALE * out.norm(dim=-1, keepdim=True) * push
+
+
+def _token_direction(folder: Path, hidden_size: int) -> torch.Tensor:
+    """The LM head's row for BIAS_TOKEN (the embedding's when tied), or a fixed random direction when the
+    stage's folder lacks both (a partial download)."""
+    files = checkpoint.weight_map(folder)
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        if name in files and (folder / files[name]).exists():
+            row = checkpoint.read_tensors(folder, files, [name])[name][BIAS_TOKEN].float()
+            return row / row.norm()
+    row = torch.randn(hidden_size, generator=torch.Generator().manual_seed(0))
+    return row / row.norm()

@@ -1,0 +1,90 @@
+"""What a stage keeps so it can answer reveals: every step of a session, while it is open and for
+`retain_s` after it ends, within `max_bytes` in all (the oldest ended sessions go first, then the oldest
+open ones). A reveal for a session no longer kept is refused; the entry treats that as a refusal."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from beeswarm.protocol.step import Keep
+
+RETAIN_S = 600.0
+MAX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    step: int
+    start: int
+    mask: bytes | None
+    keep: Keep | None
+    input: torch.Tensor  # on the host
+    output: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.nbytes + self.output.nbytes + len(self.mask or b"")
+
+
+@dataclass
+class _Log:
+    steps: list[LoggedStep] = field(default_factory=list)
+    nbytes: int = 0
+    ended: float | None = None  # when the session ended (None: still open)
+
+
+class StepLog:
+    def __init__(self, retain_s: float = RETAIN_S, max_bytes: int = MAX_BYTES,
+                 clock: Callable[[], float] = time.monotonic):
+        self.retain_s, self.max_bytes, self.clock = retain_s, max_bytes, clock
+        self._logs: OrderedDict[str, _Log] = OrderedDict()  # oldest first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def record(self, key: str, step: LoggedStep) -> None:
+        with self._lock:
+            log = self._logs.setdefault(key, _Log())
+            log.steps.append(step)
+            log.nbytes += step.nbytes
+            self._bytes += step.nbytes
+            self._evict()
+
+    def end(self, key: str) -> None:
+        """The session ended: keep its log for `retain_s` more."""
+        with self._lock:
+            if key in self._logs:
+                self._logs[key].ended = self.clock()
+            self._evict()
+
+    def upto(self, key: str, step: int) -> list[LoggedStep] | None:
+        """The session's steps in the order they ran, up to and including `step` (None: not kept, or no
+        such step)."""
+        with self._lock:
+            self._evict()
+            log = self._logs.get(key)
+            if log is None:
+                return None
+            for i, s in enumerate(log.steps):
+                if s.step == step:
+                    return log.steps[:i + 1]
+            return None
+
+    def _evict(self) -> None:
+        now = self.clock()
+        for key in [k for k, v in self._logs.items() if v.ended is not None and now - v.ended > self.retain_s]:
+            self._drop(key)
+        while self._bytes > self.max_bytes and self._logs:
+            ended = [k for k, v in self._logs.items() if v.ended is not None]
+            self._drop(ended[0] if ended else next(iter(self._logs)))
+
+    def _drop(self, key: str) -> None:
+        self._bytes -= self._logs.pop(key).nbytes

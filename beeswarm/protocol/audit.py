@@ -1,0 +1,90 @@
+"""Audits: commitments on the data path, reveals (`ids.AUDIT`) and evidence (`ids.EVIDENCE`).
+
+For every step a stage signs a `Commit` to what it received and what it sent (digests) and passes it
+on with its output; the entry gets every stage's commitment with the result. Later, at random, the
+entry asks a stage to `Reveal` a session's inputs and outputs up to a step, checks them against the
+commitments and recomputes them. A stage caught is reported to the coordinator as `Evidence` that
+anyone can check: the stage's own signatures over what it computed, and the revealed tensors.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from beeswarm.protocol.encoding import Message
+from beeswarm.protocol.session import PeerId, SessionId
+from beeswarm.protocol.spans import Span
+from beeswarm.protocol.step import Commit, Keep, Signature
+
+MAX_REVEAL_STEPS = 8192
+
+
+class Reveal(Message, frozen=True, tag="reveal"):
+    """Ask a stage for a session's inputs up to and including `step`, with that step's output. Only the
+    session's entry may ask (the activations are its user's text)."""
+
+    session: SessionId
+    step: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class RevealedStep(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One step as the stage ran it: its arguments, the hidden states it received and those it sent."""
+
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    mask: bytes | None
+    keep: Keep | None
+    input: bytes  # a codec frame
+    output: bytes  # a codec frame
+
+
+class Revealed(Message, frozen=True, tag="revealed"):
+    """Every step of the session up to the one asked for, in the order the stage ran them, signed
+    (`reveal_body`): a reveal that contradicts the stage's commitments is evidence on its own."""
+
+    stage: PeerId
+    session: SessionId
+    steps: Annotated[tuple[RevealedStep, ...], msgspec.Meta(max_length=MAX_REVEAL_STEPS)]
+    sig: Signature = b""
+
+
+def reveal_body(entry: str, r: Revealed, digests: list[tuple[bytes, bytes, bytes]]) -> bytes:
+    """The bytes a reveal's signature covers: the session and, per step, its id and the digests of its
+    context, input and output (the tensors themselves are bound by their digests)."""
+    return msgspec.msgpack.encode(("beeswarm/reveal/1", entry, r.stage, r.session,
+                                   [(s.step, *d) for s, d in zip(r.steps, digests, strict=True)]))
+
+
+EvidenceKind = Literal["wrong", "contradiction", "chain"]
+
+
+class Evidence(Message, frozen=True, tag="evidence"):
+    """An entry's accusation, checkable by anyone from the signatures inside it.
+
+    - wrong: `revealed` hashes to the accused's `commits`, yet recomputing its inputs through `span` gives
+      other outputs (the checker recomputes).
+    - contradiction: `revealed` (signed by the accused) does not hash to its own `commits`.
+    - chain: `commits` holds the accused's commitment and the previous stage's for the same step, and the
+      accused's input or context is not what the previous stage signed that it sent (an honest stage
+      checks the previous commitment before it computes).
+    The accuser signs the whole (`sig` over the encoded evidence with `sig` empty): an accusation that does
+    not hold up is evidence against its author.
+    """
+
+    kind: EvidenceKind
+    accused: PeerId
+    accuser: PeerId
+    session: SessionId
+    span: Span
+    commits: Annotated[tuple[Commit, ...], msgspec.Meta(max_length=MAX_REVEAL_STEPS)]
+    revealed: Revealed | None = None
+    detail: Annotated[str, msgspec.Meta(max_length=500)] = ""
+    sig: Signature = b""
+
+
+class Verdict(Message, frozen=True, tag="verdict"):
+    """The coordinator's answer: who it excludes (the accused, or the accuser of a false accusation)."""
+
+    excluded: PeerId
+    reason: Annotated[str, msgspec.Meta(max_length=500)]
