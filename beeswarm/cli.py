@@ -45,6 +45,21 @@ def _add_entry_addrs(p: argparse.ArgumentParser) -> None:
                    help="an address peers should dial (a port-forward or a public address)")
 
 
+def _audit_rate(text: str) -> float:
+    rate = float(text)
+    if not 0.0 <= rate <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a probability between 0 and 1")
+    return rate
+
+
+def _add_audit(p: argparse.ArgumentParser) -> None:
+    from beeswarm.audit import DEFAULT_RATE
+
+    p.add_argument("--audit-rate", type=_audit_rate, default=DEFAULT_RATE, metavar="P",
+                   help=f"check each stage's steps with probability P by recomputing them (default {DEFAULT_RATE}; "
+                        "0: off)")
+
+
 def _add_spec(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding (same as --draft none)")
     p.add_argument("--draft", default=None, metavar="REF",
@@ -91,7 +106,7 @@ def cmd_demo(args) -> int:
     """A real local swarm of 3 contributor processes plus this process as the entry; stopped after."""
     import torch
 
-    from beeswarm.client.swarm import SwarmClient
+    from beeswarm.client.swarm import ClientOptions, SwarmClient
     from beeswarm.contributor.local import LocalSwarm, LocalSwarmError, threads_per_process
 
     params, entry = _chat_common(args)
@@ -112,7 +127,8 @@ def cmd_demo(args) -> int:
         bootstrap = swarm.start()
         swarm.wait_ready()
         client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
-                                    announce=args.announce, draft=draft, tuner=tuner).start()
+                                    announce=args.announce, options=ClientOptions(audit_rate=args.audit_rate),
+                                    draft=draft, tuner=tuner).start()
         if args.serve:
             return _serve_api(client, entry, args, api_key)
         if args.prompt is not None:
@@ -308,8 +324,15 @@ def _run_chat(client, entry, args, params) -> int:
     tokenizer, ids = _encode_prompt(entry, args)
     stream = TextStream(tokenizer)
     echo = stream.push if args.json else (lambda t: print(stream.push(t), end="", flush=True))
+
+    def rewind(keep: int) -> None:
+        kept = stream.rewind(keep)
+        if not args.json:
+            print(f"\n[a stage was caught computing wrong by an audit: the reply is generated again from here]\n"
+                  f"{kept}", end="", flush=True)
+
     try:
-        out = client.generate(ids, args.max_new_tokens, params, stop_ids(tokenizer), echo)
+        out = client.generate(ids, args.max_new_tokens, params, stop_ids(tokenizer), echo, on_rewind=rewind)
     except NoRoute as e:
         client.node.raise_if_failed()  # no route because this process's node stopped: exit 1, not 2
         raise UserError(f"{e}; is the swarm up? (check --join)") from None
@@ -323,6 +346,7 @@ def _run_chat(client, entry, args, params) -> int:
                           "ttft_s": round(g.ttft_s, 4),
                           "route": [{"peer": s.node, "start": s.span.start, "end": s.span.end} for s in out.route],
                           "recoveries": out.recoveries, "wire_bytes": out.wire_bytes, "raw_bytes": out.raw_bytes,
+                          "audits": client.audits.as_json(),
                           **(out.spec.as_json() if out.spec else NO_SPEC)}))
     else:
         print(stream.flush())
@@ -353,7 +377,8 @@ def cmd_chat(args) -> int:
         args.model = descriptor.model if descriptor else "tinycode"
     params, entry = _chat_common(args)
     draft, tuner = _speculation(args, entry)
-    options = ClientOptions(mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches)
+    options = ClientOptions(mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches,
+                            audit_rate=args.audit_rate)
     client = SwarmClient.create(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
                                 listen=args.listen or None, announce=args.announce, options=options, draft=draft,
                                 tuner=tuner).start()
@@ -376,7 +401,7 @@ def _api_key(env_name: str | None) -> str | None:
 
 def cmd_serve(args) -> int:
     """An OpenAI-compatible HTTP API over the swarm: this machine is the entry for every request."""
-    from beeswarm.client.swarm import SwarmClient
+    from beeswarm.client.swarm import ClientOptions, SwarmClient
     from beeswarm.shard import EntryModel
 
     api_key = _api_key(args.api_key_env)
@@ -386,8 +411,8 @@ def cmd_serve(args) -> int:
     entry = EntryModel.load(args.model, args.dtype, args.device)
     draft, tuner = _speculation(args, entry)
     client = SwarmClient.create(entry, bootstrap, secret=_secret(args.swarm_secret_env), interval=args.heartbeat,
-                                listen=args.listen or None, announce=args.announce, draft=draft,
-                                tuner=tuner).start()
+                                listen=args.listen or None, announce=args.announce,
+                                options=ClientOptions(audit_rate=args.audit_rate), draft=draft, tuner=tuner).start()
     try:
         return _serve_api(client, entry, args, api_key)
     finally:
@@ -561,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default=None, help="generate once for TEXT (default: the chat app)")
     _add_sampling(demo)
     _add_spec(demo)
+    _add_audit(demo)
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     demo.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -584,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt", default=None, help="generate once for TEXT (default: the chat app)")
     _add_sampling(chat)
     _add_spec(chat)
+    _add_audit(chat)
     chat.add_argument("--client-hops", action="store_true",
                       help="route every stage's output back through this machine (for comparison)")
     chat.add_argument("--micro-batches", type=int, default=None, metavar="M",
@@ -601,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="must match the swarm's model (default: the swarm's)")
     _add_serve(serve)
     _add_spec(serve)
+    _add_audit(serve)
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     serve.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     serve.add_argument("--swarm-secret-env", default=None, metavar="NAME")

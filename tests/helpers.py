@@ -120,20 +120,23 @@ def in_terminal(argv: list[str], env: dict, shown: bytes, keys: bytes, timeout: 
     return os.waitstatus_to_exitcode(status), seen
 
 
-def start_contributors(procs: list, model, n: int, max_memory: int, env: dict, tmp_path) -> tuple[dict, str]:
+def start_contributors(procs: list, model, n: int, max_memory: int, env: dict, tmp_path, join: str | None = None,
+                       extra_env: dict[int, dict] | None = None) -> tuple[dict, str]:
     """`n` headless `contribute` processes on 127.0.0.1, each offering `max_memory` bytes, the first the
-    bootstrap; each is added to `procs` as it starts (the caller kills them, even after a failure here).
-    Returns (peer id -> process, the bootstrap address)."""
+    bootstrap (or all joining `join`); each is added to `procs` as it starts (the caller kills them, even
+    after a failure here); `extra_env[i]`: more environment for the i-th. Returns (peer id -> process,
+    the bootstrap address)."""
     import subprocess
     import sys
 
-    peers, boot = {}, None
-    for i in range(n):
+    peers, boot = {}, join
+    for i in range(len(procs), len(procs) + n):
         cmd = [sys.executable, "-m", "beeswarm", "contribute", "--headless", "--model", str(model),
                "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory", str(max_memory), "--heartbeat", "1"]
         proc = subprocess.Popen(cmd + (["--join", boot] if boot else []), stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True,
-                                env={**env, "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
+                                env={**env, **(extra_env or {}).get(i, {}),
+                                     "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
         procs.append(proc)
         q = lines_of(proc)
         peers[read_until(q, "peer ", 60)[0].split()[1]] = proc

@@ -6,15 +6,22 @@ own copy of the layers, trusting neither side.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import msgspec
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from beeswarm.audit import commitments
 from beeswarm.audit.auditor import Auditor
 from beeswarm.audit.evidence import judge, sign_evidence
-from beeswarm.audit.faults import Fault, _token_direction
+from beeswarm.audit.faults import ENV, Fault, _token_direction
 from beeswarm.client.remote import Inbox, RemotePipeline, StageFailed
+from beeswarm.contributor.local import budgets
 from beeswarm.contributor.stage import StageServer
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams
@@ -28,7 +35,7 @@ from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
 from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.decode import speculative_generate
 from beeswarm.spec.draft import DraftModel
-from helpers import reference_greedy
+from helpers import reference_greedy, start_contributors, wait_for
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
 PROMPTS = ([5, 6, 7], [100, 3, 250, 17, 9, 1, 42])
@@ -167,3 +174,48 @@ def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh,
     sent = (commitments.context(0, None, None), commitments.digest(hidden))
     with pytest.raises(StageFailed, match="0 commitments"):
         pipe._check_commits(session, 0, pipe.route, sent, Result(session=session, step=0, frame=b""), hidden)
+
+
+def status(boot: str, env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-m", "beeswarm", "status", "--join", boot, "--json", "--heartbeat", "1"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(tiny_models, tmp_path):
+    """Three contributor processes, one returning noise on half its steps, and a spare that joins once they
+    serve. A chat auditing half the steps gets transformers' greedy tokens, reports the
+    failed audit, and the coordinator's plan excludes the cheat with the reason."""
+    model = str(tiny_models["llama"])
+    env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("BEESWARM_IDENTITY", None)
+    procs: list = []
+    try:
+        budget = budgets(model, 3)[0]
+        peers, boot = start_contributors(procs, model, 3, budget, env, tmp_path,
+                                         extra_env={1: {ENV: "noise@0.5"}})
+        cheat = list(peers)[1]
+        route = wait_for(lambda: next((p["stages"] for p in (status(boot, env)["plan"] or {}).get("active", [])
+                                       if len(p["stages"]) == 3), None), 90, "a 3-stage route")
+        assert cheat in [s["node"] for s in route]
+        start_contributors(procs, model, 1, budget, env, tmp_path, join=boot)
+        prompt = "def f(x):"
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        out = subprocess.run([sys.executable, "-m", "beeswarm", "chat", "--join", boot, "--model", model, "--greedy",
+                              "--no-spec", "--json", "--audit-rate", "0.5", "--max-new-tokens", "16",
+                              "--heartbeat", "1", "--prompt", prompt],
+                             capture_output=True, text=True, timeout=240, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        reply = json.loads(out.stdout)
+        expected = reference_greedy(model, tokenizer.encode(prompt), 16)
+        assert reply["tokens"] == expected[:len(reply["tokens"])] and len(reply["tokens"]) == 16
+        assert reply["audits"]["failed"] >= 1 and reply["recoveries"] >= 1, reply
+        assert cheat not in [s["peer"] for s in reply["route"]]
+        sentenced = wait_for(lambda: [e for e in status(boot, env)["plan"]["excluded"] if e["until"]], 60,
+                             "the coordinator's sentence in the plan")
+        assert [e["node"] for e in sentenced] == [cheat] and "audit" in sentenced[0]["reason"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from beeswarm.api import schema
-from beeswarm.api.engine import Cancelled, Completer, Job, Outcome, chat_prompt, text_prompt
+from beeswarm.api.engine import Cancelled, Completer, Job, Outcome, Rewind, chat_prompt, text_prompt
 from beeswarm.api.schema import ApiError, ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -231,6 +231,9 @@ class Shape:
             if isinstance(item, str):
                 pieces.append(item)
                 continue
+            if isinstance(item, Rewind):
+                pieces = [item.text]
+                continue
             text = "".join(pieces)
             if self.chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -267,11 +270,21 @@ class Shape:
 
         if self.chat:
             yield data(self._chunk({"role": "assistant", "content": ""}, None, with_usage))
+        sent = ""
         async for item in worker.events():
             if isinstance(item, ApiError):
                 yield data(item.body())
                 return
+            if isinstance(item, Rewind):
+                if item.text == sent:
+                    continue  # nothing streamed was taken back
+                # A stream cannot take text back: end it with an error the client can act on (retry).
+                yield data(ApiError(502, "a contributor was caught by an audit returning wrong activations; "
+                                         "text streamed so far is unreliable: retry the request",
+                                    code="audit_failed").body())
+                return
             if isinstance(item, str):
+                sent += item
                 yield data(self._chunk({"content": item} if self.chat else item, None, with_usage))
                 continue
             yield data({**self._chunk({} if self.chat else "", item.finish_reason, with_usage),

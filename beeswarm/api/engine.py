@@ -25,6 +25,13 @@ def no_route(e: NoRoute) -> ApiError:
     return ApiError(503, f"the swarm has no route right now: {e}", code="no_route", retry_after=int(ROUTE_WAIT_S))
 
 
+@dataclass(frozen=True)
+class Rewind:
+    """An audit caught a stage that computed part of the text: only `text` stands; the rest is regenerated."""
+
+    text: str
+
+
 class Cancelled(Exception):
     """The HTTP client went away: end the generation and free its sessions."""
 
@@ -106,10 +113,17 @@ class Completer:
         except NoRoute as e:
             raise no_route(e) from None
 
-    def run(self, job: Job, on_text: Callable[[str], None]) -> Outcome:
-        """Generate `job`, passing text to `on_text` as it becomes final (stop strings held back)."""
+    def run(self, job: Job, on_text: Callable[[str | Rewind], None]) -> Outcome:
+        """Generate `job`, passing text to `on_text` as it becomes final (stop strings held back), or a
+        `Rewind` when an audit took text back."""
         stream, stop = TextStream(self.tokenizer), StopText(job.stops)
         eos = set() if job.ignore_eos else set(stop_ids(self.tokenizer))
+
+        def on_rewind(keep: int) -> None:
+            nonlocal stream, stop
+            tokens = stream.tokens[:keep]
+            stream, stop = TextStream(self.tokenizer), StopText(job.stops)
+            on_text(Rewind("".join(stop.push(stream.push(t)) for t in tokens)))
 
         def on_token(token: int) -> None:
             if job.cancelled.is_set():
@@ -122,7 +136,7 @@ class Completer:
 
         try:
             result = self.client.generate(job.prompt_ids, job.max_tokens, job.params, list(eos), on_token,
-                                          route_timeout=ROUTE_WAIT_S)
+                                          route_timeout=ROUTE_WAIT_S, on_rewind=on_rewind)
         except NoRoute as e:
             raise no_route(e) from None
         except StageBusy as e:

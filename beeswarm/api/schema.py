@@ -21,7 +21,7 @@ class ApiError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 429: "rate_limit_error", 502: "api_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  retry_after: int | None = None):

@@ -5,3 +5,5 @@
 reveal against commitments and judging an accusation; `auditor`: the entry's random audits;
 `faults`: the dishonest stage modes tests switch on.
 """
+
+DEFAULT_RATE = 0.01  # of each stage's steps audited by an entry (cost and detection: BENCHMARKS.md, Audits)

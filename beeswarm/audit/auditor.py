@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.evidence import Finding, RevealRefused, examine, sign_evidence
 from beeswarm.p2p.channel import NodeError
 from beeswarm.p2p.node import Node
@@ -30,7 +31,6 @@ from beeswarm.shard.span import SpanRuntime
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RATE = 0.01  # of each stage's steps (see BENCHMARKS.md: cost and detection)
 REVEAL_TIMEOUT_S = 30.0
 
 

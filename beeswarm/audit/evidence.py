@@ -81,13 +81,13 @@ def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_f
         if c.step not in revealed_ids:
             return Finding("contradiction", f"the reveal leaves out step {c.step}, which it signed a commitment for")
     for s, (ctx, given, sent) in zip(steps, _digests(steps), strict=True):
-        c = by_step.get(s.step)
-        if c is None:
+        found = by_step.get(s.step)
+        if found is None:
             if complete:
                 return Finding("contradiction", f"the reveal has a step {s.step} it never committed to")
             continue
-        for what, ours, theirs in (("arguments", ctx, c.context), ("input", given, c.input),
-                                   ("output", sent, c.output)):
+        for what, ours, theirs in (("arguments", ctx, found.context), ("input", given, found.input),
+                                   ("output", sent, found.output)):
             if ours != theirs:
                 return Finding("contradiction", f"step {s.step}: the revealed {what} does not hash to its commitment")
     if len({c.span for c in commits}) != 1:

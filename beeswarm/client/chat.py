@@ -74,8 +74,10 @@ class ChatSession:
             return template_ids(self.tokenizer, self.turns + [{"role": "user", "content": text}])
         return self.context + self.tokenizer.encode(text)  # no template: plain continuation
 
-    def send(self, text: str, on_text: Callable[[str], None]) -> Reply:
-        """Generate a reply to `text`, streaming its text to `on_text`; stop() ends it early."""
+    def send(self, text: str, on_text: Callable[[str], None],
+             on_rewind: Callable[[str], None] = lambda text: None) -> Reply:
+        """Generate a reply to `text`, streaming its text to `on_text`; stop() ends it early. `on_rewind(text)`:
+        a stage that computed part of the reply was caught by an audit; only `text` stands, the rest follows."""
         ids = self._prompt_ids(text)
         limit = self.client.entry.config.max_position_embeddings
         if len(ids) + self.max_new_tokens > limit:
@@ -94,7 +96,8 @@ class ChatSession:
 
         t0, stopped, result = time.perf_counter(), False, None
         try:
-            result = self.client.generate(ids, self.max_new_tokens, self.params, stop_ids(self.tokenizer), on_token)
+            result = self.client.generate(ids, self.max_new_tokens, self.params, stop_ids(self.tokenizer), on_token,
+                                          on_rewind=lambda keep: on_rewind(stream.rewind(keep)))
         except Stopped:
             stopped = True
         finally:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm import codec
-from beeswarm.audit.auditor import DEFAULT_RATE, AuditCounts, Auditor
+from beeswarm.audit import DEFAULT_RATE
+from beeswarm.audit.auditor import AuditCounts, Auditor
 from beeswarm.client.remote import Inbox, RemotePipeline, Route, StageBusy, StageFailed
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.service import CoordinatorService

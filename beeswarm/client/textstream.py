@@ -28,6 +28,14 @@ class TextStream:
         delta, self.emitted = text[self.emitted:], len(text)
         return delta
 
+    def rewind(self, keep: int) -> str:
+        """Take back every token after the first `keep` (the swarm regenerates them); the text that stands,
+        all of it counted as returned."""
+        del self.tokens[keep:]
+        text = self.text
+        self.emitted = len(text)
+        return text
+
     @property
     def text(self) -> str:
         return self.tokenizer.decode(self.tokens, skip_special_tokens=True)

@@ -7,6 +7,7 @@ table or JSON. Pure: no networking, no torch.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +87,8 @@ class StatusReport:
                 "objective": self.plan.objective, "migrating": self.plan.migrating(),
                 "active": [_pipeline_json(p) for p in self.plan.active],
                 "target": [_pipeline_json(p) for p in self.plan.target],
-                "excluded": [{"node": e.node, "reason": e.reason} for e in self.plan.excluded]},
+                "excluded": [{"node": e.node, "reason": e.reason, "until": e.until or None}
+                             for e in self.plan.excluded]},
         }
 
     def lines(self, color: bool = False) -> list[str]:
@@ -132,7 +134,8 @@ class StatusReport:
             out += [f"  target {line}" for line in _pipeline_lines(p.target)]
         else:
             out.append("  target = active")
-        out += [f"  left out {short(e.node)}: {e.reason}" for e in p.excluded]
+        out += [red(f"  excluded {short(e.node)} until {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.until))}: "
+                    f"{e.reason}") if e.until else f"  left out {short(e.node)}: {e.reason}" for e in p.excluded]
         return out
 
 

@@ -113,7 +113,8 @@ class ChatApp(App):
     def reply(self, text: str) -> None:
         transcript = self.query_one(Transcript)
         try:
-            reply = self.session.send(text, lambda piece: self._ui(transcript.append_reply, piece))
+            reply = self.session.send(text, lambda piece: self._ui(transcript.append_reply, piece),
+                                      lambda kept: self._ui(transcript.replace_reply, kept))
         except NoRoute as e:
             self._ui(self._failed, f"{e}. Is the swarm up? Check the address you joined.")
         except StageFailed as e:

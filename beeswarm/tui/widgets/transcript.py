@@ -26,6 +26,12 @@ class Transcript(VerticalScroll):
         self._reply.update(Text(self._reply_text))
         self.scroll_end(animate=False)
 
+    def replace_reply(self, text: str) -> None:
+        """The reply so far is `text` (an audit took back what a caught stage computed)."""
+        if self._reply is not None:
+            self._reply_text = ""
+        self.append_reply(text)
+
     def end_reply(self) -> None:
         self._reply = None
 
