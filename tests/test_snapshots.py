@@ -29,7 +29,7 @@ STATUS = ContributorStatus(
     shard=ShardFigures(Span(0, 4), 0.25, 8 << 30, 3 << 30),
     serving=ServingFigures(sessions=2, steps=812, tokens=1930, tokens_per_s=41.5,
                            history=tuple(float(min(t, 41.5)) for t in range(0, 120, 2)), raw_in=7 << 20,
-                           wire_in=5 << 20, raw_out=7 << 20, wire_out=5 << 20),
+                           wire_in=5 << 20, raw_out=7 << 20, wire_out=5 << 20, reveals=3, kept_bytes=12 << 20),
     progress=(Progress("bench", "device benchmark", 6, 6, started=0.0),
               Progress("download model-00001-of-00002.safetensors", "download model-00001-of-00002...",
                        (1 << 30), (1 << 30), unit="B", started=0.0),

@@ -109,6 +109,13 @@ class ChatSession:
         self.turns += [{"role": "user", "content": text}, {"role": "assistant", "content": stream.text}]
         return self._reply(stream.text, stream.tokens, stopped, result, time.perf_counter() - t0)
 
+    def audits(self) -> tuple[int, int, int] | None:
+        """(run, passed, failed) of this client's audits so far; None when it does not audit."""
+        if self.client.auditor is None:
+            return None
+        c = self.client.audits
+        return c.run, c.passed, c.failed
+
     def ring_ms(self, route: Route) -> float | None:
         """One-way latency around the route (entry -> stages -> entry) from the stages' link probes."""
         view = self.client.members.view()

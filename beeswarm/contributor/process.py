@@ -301,9 +301,11 @@ class Contributor:
         runtime = server.runtimes.get(self.span) if server and self.span is not None else None
         resident = round(len(runtime.layers) * self.layer_bytes) if runtime is not None else 0
         history = tuple(self._history)
+        excluded = next((e.reason for e in self.coordinator.state.excluded if e.node == me.peer and e.until), "")
         serving = ServingFigures(len(sessions), traffic.steps, traffic.tokens, history[-1] if history else 0.0,
-                                 history, traffic.raw_in, traffic.wire_in, traffic.raw_out, traffic.wire_out) \
-            if traffic else ServingFigures(history=history)
+                                 history, traffic.raw_in, traffic.wire_in, traffic.raw_out, traffic.wire_out,
+                                 server.reveals, server.step_log.nbytes, excluded) \
+            if server and traffic else ServingFigures(history=history, excluded=excluded)
         return snapshot(
             state="stopped" if self.stopped.is_set() else me.state, coordinator=lease.leader if lease else None,
             term=lease.term if lease else 0, epoch=self.coordinator.state.epoch, addrs=tuple(self.node.addrs),

@@ -79,6 +79,9 @@ class ServingFigures:
     wire_in: int = 0
     raw_out: int = 0
     wire_out: int = 0
+    reveals: int = 0  # audits of this stage it answered
+    kept_bytes: int = 0  # steps kept for audits' reveals
+    excluded: str = ""  # why the coordinator keeps this node out of plans (evidence against it), if it does
 
     @property
     def compression_ratio(self) -> float:

@@ -35,7 +35,7 @@ class ChatApp(App):
                  ring_ms: Callable[[], float | None] | None = None):
         super().__init__()
         self.session, self.swarm_rows, self.ring_ms = session, swarm_rows, ring_ms
-        self.figures = ChatFigures(speculating=session.speculating)
+        self.figures = ChatFigures(speculating=session.speculating, audits=session.audits())
         self.last_reply: Reply | None = None
 
     def compose(self) -> ComposeResult:
@@ -141,7 +141,7 @@ class ChatApp(App):
         self._set(state="stopped" if reply.stopped else "ready", tokens_per_s=reply.tokens_per_s,
                   ttft_s=reply.ttft_s or self.figures.ttft_s, accepted_per_round=reply.accepted_per_round,
                   stages=len(reply.route) or self.figures.stages,
-                  ring_ms=self.ring_ms() if self.ring_ms else None)
+                  ring_ms=self.ring_ms() if self.ring_ms else None, audits=self.session.audits())
 
     def _failed(self, message: str) -> None:
         self.query_one(Transcript).add_note(message, error=True)

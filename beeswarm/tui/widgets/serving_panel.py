@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.markup import escape
 from textual.widgets import Sparkline, Static
 
 from beeswarm.contributor.status import ServingFigures
@@ -21,4 +22,6 @@ class ServingPanel(Vertical):
             f"steps {f.steps}   tokens {f.tokens}\n"
             f"in   {size(f.raw_in)} raw, {size(f.wire_in)} wire\n"
             f"out  {size(f.raw_out)} raw, {size(f.wire_out)} wire\n"
-            f"compression {f.compression_ratio:.2f}x")
+            f"compression {f.compression_ratio:.2f}x\n"
+            f"audits: {f.reveals} answered, {size(f.kept_bytes)} kept"
+            + (f"\n[red]excluded from plans: {escape(f.excluded)}[/]" if f.excluded else ""))
