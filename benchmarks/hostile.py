@@ -36,16 +36,17 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as RELAY_STOP
 from libp2p.utils.varint import encode_uvarint
 
 from beeswarm.protocol import encode, ids
+from beeswarm.protocol.audit import Evidence, Reveal, Revealed, RevealedStep
 from beeswarm.protocol.auth import Challenge, Proof
 from beeswarm.protocol.probe import Download, Ping, Upload
 from beeswarm.protocol.session import Close, Open
 from beeswarm.protocol.spans import Span
-from beeswarm.protocol.step import Keep, Result, Step, StepError
+from beeswarm.protocol.step import Commit, Keep, Result, Step, StepError
 
 GOSSIPSUB = "/meshsub/1.0.0"
 PING = "/ipfs/ping/1.0.0"
 MULTISTREAM = "multistream-select"  # a raw muxed stream: the negotiation itself is the target
-OURS = (ids.SESSION, ids.STEP, ids.RESULT, ids.PROBE, ids.AUTH)
+OURS = (ids.SESSION, ids.STEP, ids.RESULT, ids.PROBE, ids.AUTH, ids.AUDIT, ids.EVIDENCE)
 PROTOCOLS = (*OURS, GOSSIPSUB, str(IDENTIFY), str(IDENTIFY_PUSH), PING, str(RELAY_HOP), str(RELAY_STOP), MULTISTREAM)
 KINDS = ("random", "huge", "truncated", "wrong", "wrong", "mutated")
 
@@ -148,6 +149,35 @@ def _probe(rng: random.Random, ctx: Context) -> bytes:
 def _auth(rng: random.Random, ctx: Context) -> bytes:
     valid = rng.choice([Challenge(nonce=rng.randbytes(32)), Proof(nonce=rng.randbytes(32), mac=rng.randbytes(32))])
     return _wrong_map(rng, valid, ("challenge", "proof")) if rng.random() < 0.8 else encode(valid)
+
+
+def _reveal(rng: random.Random, ctx: Context) -> bytes:
+    valid = Reveal(session=rng.choice(["s1", "", "x" * 64]), step=rng.choice([0, 1, 2**40]))
+    return _wrong_map(rng, valid, ("reveal",)) if rng.random() < 0.8 else encode(valid)
+
+
+def _commit(rng: random.Random, ctx: Context) -> Commit:
+    unsigned = Commit(stage=_peer_id(rng, ctx), step=rng.randint(0, 9), span=Span(*sorted(rng.sample(range(0, 12), 2))),
+                      context=rng.randbytes(16), input=rng.randbytes(16), output=rng.randbytes(16), sig=b"")
+    if rng.random() < 0.5:  # signed by us, as a stage would (the checker gets past the signatures)
+        unsigned = msgspec.structs.replace(unsigned, stage=ctx.me)
+        body = msgspec.msgpack.encode(("beeswarm/commit/1", ctx.me, "s1", unsigned.step, unsigned.span.start,
+                                       unsigned.span.end, unsigned.context, unsigned.input, unsigned.output))
+        return msgspec.structs.replace(unsigned, sig=ctx.sign(body))
+    return msgspec.structs.replace(unsigned, sig=rng.randbytes(64))
+
+
+def _evidence(rng: random.Random, ctx: Context) -> bytes:
+    commits = tuple(_commit(rng, ctx) for _ in range(rng.choice([0, 1, 2, 5])))
+    revealed = rng.choice([None, Revealed(stage=ctx.me, session="s1", sig=rng.randbytes(64), steps=tuple(
+        RevealedStep(c.step, rng.randint(0, 9), rng.choice([None, b"m"]), None, _frame_bytes(rng), _frame_bytes(rng))
+        for c in commits))])
+    valid = Evidence(kind=rng.choice(["wrong", "contradiction", "chain"]), accused=rng.choice([ctx.me, ctx.target]),
+                     accuser=rng.choice([ctx.me, ctx.me, ctx.target]), session="s1",
+                     span=commits[0].span if commits else Span(0, 1), commits=commits, revealed=revealed)
+    if rng.random() < 0.5:
+        valid = msgspec.structs.replace(valid, sig=ctx.sign(encode(valid)))
+    return _wrong_map(rng, valid, ("evidence",)) if rng.random() < 0.6 else encode(valid)
 
 
 def _text(rng: random.Random, ctx: Context) -> str:
@@ -294,6 +324,8 @@ SPECS: dict[str, Spec] = {
     ids.RESULT: Spec(_result, _u32, _huge_u32),
     ids.PROBE: Spec(_probe, _u32, _huge_u32),
     ids.AUTH: Spec(_auth, _u32, _huge_u32),
+    ids.AUDIT: Spec(_reveal, _u32, _huge_u32),
+    ids.EVIDENCE: Spec(_evidence, _u32, _huge_u32),
     GOSSIPSUB: Spec(_gossipsub, _varint, _huge_varint),
     str(IDENTIFY): Spec(_identify, _varint, _huge_varint),
     str(IDENTIFY_PUSH): Spec(_identify, _varint, _huge_varint),

@@ -6,6 +6,7 @@ The barrage itself is benchmarks/hostile.py (benchmarks/fuzz_bench.py runs it wi
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -18,8 +19,11 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 
+from beeswarm.audit.evidence import judge
 from beeswarm.client.remote import Inbox, RemotePipeline
 from beeswarm.contributor.stage import StageServer
+from beeswarm.coordinator.cluster import ModelShape
+from beeswarm.coordinator.service import CoordinatorService
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.p2p.bans import STRIKES_PER_BAN, BanList
@@ -219,6 +223,9 @@ def test_every_protocol_survives_a_barrage_and_generation_through_it_stays_exact
 
     (target,) = mesh(1, setup=hardened_relay)  # with membership: subscribed to the swarm's topics
     server = StageServer(target, SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")).start()
+    layers = functools.lru_cache(maxsize=4)(lambda span: SpanRuntime(tiny_llama, span, "float32", "cpu"))
+    CoordinatorService(target, target.members, ModelShape(8, 64, 0, 0), interval=1.0,
+                       judge=functools.partial(judge, runtime_for=layers)).start()  # takes evidence
     Inbox(target).start()
     Prober(target).start()
     (evil,) = mesh(1, members=False, bootstrap=[])
@@ -236,7 +243,7 @@ def test_every_protocol_survives_a_barrage_and_generation_through_it_stays_exact
         assert target.failure is None and target._thread.is_alive()
         struck = {reason.split(":")[0] for peer, reason in bans.strikes if peer == evil.peer_id}
         assert {"/meshsub/1.0.0", "multistream-select", "pubsub message", ids.SESSION, ids.STEP, ids.RESULT,
-                ids.PROBE, "auth", target.topic(ids.MEMBERS_TOPIC)} <= struck, struck
+                ids.PROBE, "auth", ids.AUDIT, ids.EVIDENCE, target.topic(ids.MEMBERS_TOPIC)} <= struck, struck
 
         # still answering: a new entry generates through the stage server, token for token
         (entry_node,) = mesh(1, members=False, bootstrap=[])

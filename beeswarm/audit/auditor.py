@@ -32,6 +32,7 @@ from beeswarm.shard.span import SpanRuntime
 log = logging.getLogger(__name__)
 
 REVEAL_TIMEOUT_S = 30.0
+SETTLE_S = 10.0  # the longest a generation waits for its audits; later verdicts still ban and report
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Auditor:
         self._commits: dict[str, dict[str, list[Commit]]] = defaultdict(lambda: defaultdict(list))
         self._pending: dict[str, int] = defaultdict(int)  # session -> audits queued or running
         self._caught: dict[str, set[str]] = defaultdict(set)  # session -> stages caught in it
+        self._done: set[str] = set()  # sessions settled: forgotten once their audits have run
         self._cond = threading.Condition()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._replies = reply_decoder(Revealed, limit=node.config.max_tensor_bytes)
@@ -90,18 +92,22 @@ class Auditor:
         for job in drawn:
             self._jobs.put(job)
 
-    def settle(self, sessions: Sequence[str], timeout: float = 60.0) -> set[str]:
-        """Wait for the audits of `sessions` (up to `timeout`); the stages caught in them. Their commitments
-        are dropped after: no audit of them is drawn any more."""
+    def settle(self, sessions: Sequence[str], timeout: float = SETTLE_S) -> set[str]:
+        """Wait for the audits of `sessions` (up to `timeout`); the stages caught in them. The sessions are
+        then forgotten (their state dropped once their last audit has run)."""
         with self._cond:
             self._cond.wait_for(lambda: not any(self._pending.get(s) for s in sessions), timeout)
             caught = set().union(*(self._caught.get(s, set()) for s in sessions))
-            for s in sessions:
-                if not self._pending.get(s):
-                    self._commits.pop(s, None)
-                    self._pending.pop(s, None)
-                    self._caught.pop(s, None)
+            self._done.update(sessions)
+            self._drop_done()
             return caught
+
+    def _drop_done(self) -> None:
+        """(Under the lock.) Forget the settled sessions no audit is still running for."""
+        for s in [s for s in self._done if not self._pending.get(s)]:
+            self._done.discard(s)
+            for table in (self._commits, self._pending, self._caught):
+                table.pop(s, None)
 
     def accuse(self, evidence: Evidence) -> None:
         """Sign and send evidence found on the data path (a broken chain of commitments)."""
@@ -119,6 +125,7 @@ class Auditor:
             finally:
                 with self._cond:
                     self._pending[job.session] -= 1
+                    self._drop_done()
                     self._cond.notify_all()
 
     def _audit(self, job: _Job) -> None:

@@ -21,6 +21,7 @@ from beeswarm.protocol import ProtocolError, Span, encode
 from beeswarm.protocol.audit import Evidence, EvidenceKind, Revealed, RevealedStep, reveal_body
 from beeswarm.protocol.step import Commit
 from beeswarm.shard import tensors
+from beeswarm.shard.errors import SessionError, ShardError
 from beeswarm.shard.span import SpanRuntime
 
 RuntimeFor = Callable[[Span], SpanRuntime]  # a span's layers, to recompute with
@@ -92,7 +93,14 @@ def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_f
                 return Finding("contradiction", f"step {s.step}: the revealed {what} does not hash to its commitment")
     if len({c.span for c in commits}) != 1:
         raise ValueError("commitments of more than one span")
-    mismatch = first_mismatch(runtime_for(commits[0].span), steps, set(by_step))
+    try:
+        runtime = runtime_for(commits[0].span)
+    except (ShardError, OSError, ValueError) as e:  # not a span of this model, or no memory for it here
+        raise RevealRefused(f"cannot recompute layers {commits[0].span}: {e}") from None
+    try:
+        mismatch = first_mismatch(runtime, steps, set(by_step))
+    except (SessionError, ProtocolError, codec.CodecError, RuntimeError) as e:  # inputs the span cannot run
+        return Finding("wrong", f"its revealed inputs cannot be run through its span: {e}")
     if mismatch is not None:
         return Finding("wrong", f"step {mismatch.step}: its output is {mismatch.error:.1e} away from the "
                                 f"recomputation (tolerance {mismatch.tolerance:.0e})")

@@ -254,11 +254,21 @@ class SwarmClient:
 
     def _generate(self, prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
                   speculate: bool, on_rewind) -> SwarmGeneration:
+        sessions: list[str] = []
+        try:
+            return self._generate_in(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
+                                     speculate, on_rewind, sessions)
+        except BaseException:
+            if self.auditor:
+                self.auditor.settle(sessions, timeout=0)  # forget them: nobody waits for their verdicts
+            raise
+
+    def _generate_in(self, prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
+                     speculate: bool, on_rewind, sessions: list[str]) -> SwarmGeneration:
         generator = new_generator(params)
         tokens: list[int] = []
         routes: list[Route] = []
         starts: list[int] = []  # tokens there were when each route was taken
-        sessions: list[str] = []
         wire = raw = 0
         t0, ttft, recoveries = time.perf_counter(), None, 0
         last = t0  # the time of the last token: closing the sessions after it is not generation time

@@ -251,11 +251,15 @@ class CoordinatorService:
             return ErrorReply(error="this node is not the coordinator", busy=True)
         if evidence.accuser != peer:
             raise ProtocolError("evidence is taken from its accuser only")
+        if peer in self.sentences:
+            return ErrorReply(error="this node is excluded: it brings no evidence")
         judgement = self.judge(evidence)  # ProtocolError (unsigned) strikes the sender
         sentence = Exclusion(judgement.excluded, judgement.reason[:500], until=time.time() + SENTENCE_S)
         log.warning("excluding %s for %.0f h: %s", sentence.node, SENTENCE_S / 3600, sentence.reason)
         with self._lock:
             self.sentences[sentence.node] = sentence
+        if not judgement.upheld:
+            self.node.strike(peer, judgement.reason, severe=True)
         self.mark_dirty()
         return Verdict(excluded=sentence.node, reason=sentence.reason)
 

@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""Audits: what they cost, what they catch, and how close honest recomputation comes.
+
+Sections (all by default):
+- cost: bytes of a commitment per stage per step, and CPU per step for it (digests, signing, checking).
+- tolerance: the largest relative error between what stages computed batched with other sessions and
+  a replay alone, honest float32 on CPU (what the audit tolerance must clear).
+- detection: the fraction of generations (`--tokens` each) in which a stage misbehaving on a fraction f
+  of its steps is caught at audit rate p, against the closed form 1 - (1 - p f)^steps.
+- caught: for each dishonest mode at the default rate, generations until the entry catches it.
+- throughput: tokens/s of 4 concurrent chats through a local swarm of 3 contributor processes at audit
+  rates 0, the default and 4x the default (rounds interleaved; medians).
+The in-process sections use real nodes on 127.0.0.1 and the `--model` checkpoint (tinycode by default).
+
+    python benchmarks/audit_bench.py [--sections cost tolerance detection caught throughput] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+
+import msgspec
+import torch
+
+from beeswarm.audit import DEFAULT_RATE, commitments
+from beeswarm.audit.auditor import Auditor
+from beeswarm.audit.faults import Fault, _token_direction
+from beeswarm.audit.replay import relative_error, replay
+from beeswarm.client.remote import Inbox, RemotePipeline
+from beeswarm.client.swarm import ClientOptions, SwarmClient
+from beeswarm.contributor.local import LocalSwarm, threads_per_process
+from beeswarm.contributor.stage import StageServer
+from beeswarm.decoding.generate import generate
+from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.p2p import identity
+from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.protocol import encode
+from beeswarm.protocol.coordinator import Stage
+from beeswarm.protocol.spans import even_splits
+from beeswarm.protocol.step import Commit
+from beeswarm.shard import EntryModel, SpanRuntime, checkpoint
+
+GREEDY = SamplingParams()
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class Chain:
+    """Three stage servers on their own nodes (the middle one with `fault`), and an entry node."""
+
+    def __init__(self, folder: str, fault: Fault | None = None):
+        self.folder = folder
+        config_layers = EntryModel(folder, "float32", "cpu").config.num_hidden_layers
+        self.spans = even_splits(config_layers, 3)
+        self.nodes = [Node(identity.ephemeral(), NodeConfig(listen=LOCAL)).start() for _ in range(4)]
+        *stages, self.entry_node = self.nodes
+        self.servers = [StageServer(node, SpanRuntime(folder, span, "float32", "cpu"),
+                                    fault=fault if i == 1 else None).start()
+                        for i, (node, span) in enumerate(zip(stages, self.spans))]
+        for node in stages:
+            self.entry_node.connect(node.addrs[0])
+        for a, b in itertools.pairwise(stages):
+            a.connect(b.addrs[0])
+        self.route = tuple(Stage(node=n.peer_id, span=s) for n, s in zip(stages, self.spans))
+        self.inbox = Inbox(self.entry_node).start()
+        self.entry = EntryModel(folder, "float32", "cpu")
+        self.layers: dict = {}
+
+    def runtime_for(self, span):
+        if span not in self.layers:
+            self.layers[span] = SpanRuntime(self.folder, span, "float32", "cpu")
+        return self.layers[span]
+
+    def pipeline(self, auditor: Auditor | None) -> RemotePipeline:
+        return RemotePipeline(self.entry_node, self.inbox, self.entry, self.route, auditor=auditor)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop()
+        for node in self.nodes:
+            node.stop()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1000) for _ in range(rng.randrange(4, 24))] for _ in range(n)]
+
+
+def one_generation(pipe: RemotePipeline, prompt: list[int], tokens: int) -> str:
+    session = pipe.open(len(prompt) + tokens + 1)
+    try:
+        generate(lambda t, s: pipe.forward(session, t, s), prompt, tokens, GREEDY)
+    finally:
+        pipe.close_session(session)
+    return session
+
+
+# --- sections ----------------------------------------------------------------------------------------
+def cost(args) -> dict:
+    """Bytes and CPU of the commitments a decode step and a prefill step carry."""
+    me = identity.ephemeral().peer_id
+    hidden = checkpoint_hidden(args.model)
+    out = {}
+    for name, q in (("decode", 1), ("prefill_128", 128)):
+        x, y = torch.randn(q, hidden), torch.randn(q, hidden)
+        signer = identity.ephemeral()
+        unsigned = Commit(stage=signer.peer_id, step=123, span=even_splits(24, 3)[1], context=b"\0" * 16,
+                          input=b"\0" * 16, output=b"\0" * 16, sig=b"")
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):  # what a stage adds per step: two digests, a context digest, a signature, a check
+            c = commitments.sign(signer.key_pair, me, "0123456789abcdef", msgspec.structs.replace(
+                unsigned, context=commitments.context(7, None, None), input=commitments.digest(x),
+                output=commitments.digest(y)))
+            commitments.verify(c, me, "0123456789abcdef")
+        stage_us = (time.perf_counter() - t0) / n * 1e6
+        out[name] = {"commit_bytes": len(encode(c)), "stage_us_per_step": round(stage_us, 1)}
+    return out
+
+
+def checkpoint_hidden(model: str) -> int:
+    from beeswarm.shard import loader
+    return int(loader.load_config(checkpoint.resolve(model, checkpoint.Parts(embed=True))).hidden_size)
+
+
+def tolerance(args) -> dict:
+    """Honest stages batch concurrent sessions; the replay runs each alone. How far apart do they land?"""
+    chain = Chain(args.model)
+    try:
+        pipe = chain.pipeline(None)
+        sessions: list[str] = []
+        threads = [threading.Thread(target=lambda p=p: sessions.append(one_generation(pipe, p, args.tokens)))
+                   for p in prompts(8, seed=1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        errors = []
+        for server in chain.servers:
+            for session in sessions:
+                key = f"{chain.entry_node.peer_id}/{session}"
+                log = server.step_log._logs.get(key)
+                if log is None:
+                    continue
+                outs = replay(chain.runtime_for(server.spans[0]), log.steps)
+                errors += [relative_error(s.output, o) for s, o in zip(log.steps, outs, strict=True)]
+        batched = sum(s.traffic.steps for s in chain.servers)
+        return {"steps_compared": len(errors), "max_relative_error": max(errors),
+                "median_relative_error": statistics.median(errors), "stage_steps": batched}
+    finally:
+        chain.close()
+
+
+def detection(args) -> dict:
+    """Generations caught / generations, per (rate, fraction), vs the closed form."""
+    rows = []
+    for fraction in (1.0, 0.25):
+        chain = Chain(args.model, Fault("noise", fraction))
+        try:
+            for rate in (DEFAULT_RATE, 4 * DEFAULT_RATE):
+                caught = 0
+                for prompt in prompts(args.trials, seed=2):
+                    auditor = Auditor(chain.entry_node, chain.runtime_for, rate)
+                    auditor._report = lambda evidence: None  # no coordinator here
+                    pipe = chain.pipeline(auditor)
+                    session = one_generation(pipe, prompt, args.tokens)
+                    caught += bool(auditor.settle([session]))
+                    auditor.close()
+                    pipe.close()
+                steps = args.tokens  # per stage: one prefill step + (tokens - 1) decode steps
+                rows.append({"rate": rate, "fraction": fraction, "generations": args.trials,
+                             "caught": caught, "measured": round(caught / args.trials, 3),
+                             "closed_form": round(1 - (1 - rate * fraction) ** steps, 3), "steps": steps})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        finally:
+            chain.close()
+    return {"rows": rows}
+
+
+def caught_after(args) -> dict:
+    """Generations until an entry auditing at the default rate catches each mode (median of trials)."""
+    out = {}
+    direction = _token_direction(checkpoint.resolve(args.model), checkpoint_hidden(args.model))
+    for mode in ("noise", "identity", "bias", "noise@0.25"):
+        name, _, fraction = mode.partition("@")
+        chain = Chain(args.model, Fault(name, float(fraction or 1), direction if name == "bias" else None))
+        counts = []
+        try:
+            for trial in range(args.caught_trials):
+                auditor = Auditor(chain.entry_node, chain.runtime_for, DEFAULT_RATE)
+                auditor._report = lambda evidence: None
+                pipe = chain.pipeline(auditor)
+                for n, prompt in enumerate(prompts(1000, seed=100 + trial), start=1):
+                    if auditor.settle([one_generation(pipe, prompt, args.tokens)]):
+                        counts.append(n)
+                        break
+                auditor.close()
+                pipe.close()
+        finally:
+            chain.close()
+        out[mode] = {"generations_until_caught": counts, "median": statistics.median(counts)}
+        print(json.dumps({mode: out[mode]}), file=sys.stderr, flush=True)
+    return out
+
+
+def throughput(args) -> dict:
+    """4 concurrent chats for `--seconds` per rate, rates interleaved over `--rounds`."""
+    torch.set_num_threads(threads_per_process(4))
+    swarm = LocalSwarm(3, args.model, heartbeat=1.0)
+    rates = [0.0, DEFAULT_RATE, 4 * DEFAULT_RATE]
+    figures: dict[float, list[float]] = {r: [] for r in rates}
+    audits: dict[float, int] = dict.fromkeys(rates, 0)
+    try:
+        bootstrap = swarm.start()
+        swarm.wait_ready()
+        entry = EntryModel.load(args.model, "float32", "cpu")
+        for _ in range(args.rounds):
+            for rate in rates:
+                client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=LOCAL,
+                                            options=ClientOptions(audit_rate=rate)).start()
+                try:
+                    route = client.route(60).stages
+                    if rate:
+                        for stage in route:  # load the layers to recompute with before the clock starts
+                            client._audit_runtime(stage.span)
+                    client.generate([1, 2, 3], 4, GREEDY)
+                    tokens = []
+                    stop = time.monotonic() + args.seconds
+                    t0 = time.perf_counter()
+
+                    def chat(seed: int) -> None:
+                        for p in prompts(10_000, seed=seed):
+                            if time.monotonic() > stop:
+                                return
+                            tokens.append(len(client.generate(p, args.tokens, GREEDY).generation.tokens))
+
+                    threads = [threading.Thread(target=chat, args=(s,)) for s in range(4)]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    figures[rate].append(sum(tokens) / (time.perf_counter() - t0))
+                    audits[rate] += client.audits.run
+                finally:
+                    client.close()
+                print(json.dumps({"rate": rate, "tokens_per_s": round(figures[rate][-1], 2)}), file=sys.stderr,
+                      flush=True)
+    finally:
+        swarm.stop()
+    base = statistics.median(figures[0.0])
+    return {str(r): {"tokens_per_s": round(statistics.median(v), 2), "runs": [round(x, 2) for x in v],
+                     "vs_no_audits": round(statistics.median(v) / base, 3), "audits_run": audits[r]}
+            for r, v in figures.items()}
+
+
+SECTIONS = {"cost": cost, "tolerance": tolerance, "detection": detection, "caught": caught_after,
+            "throughput": throughput}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tinycode")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per generation")
+    parser.add_argument("--trials", type=int, default=200, help="generations per detection cell")
+    parser.add_argument("--caught-trials", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=30.0, help="per throughput run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.model = str(checkpoint.resolve(args.model))
+    results = {name: SECTIONS[name](args) for name in args.sections}
+    print(json.dumps(results) if args.json else json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
