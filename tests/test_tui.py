@@ -6,6 +6,7 @@ import threading
 import pytest
 from transformers import AutoTokenizer
 
+from beeswarm.audit.auditor import AuditCounts
 from beeswarm.client.chat import ChatSession
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import LocalSwarm
@@ -108,5 +109,7 @@ async def test_demo_side_panel_lists_the_swarm(swarm_client):
 
 
 def test_chat_screen_snapshot(swarm_client, snap_compare):
-    """The chat screen after /help, before any reply (so every figure on it is fixed)."""
+    """The chat screen after /help, before any reply (so every figure on it is fixed; the audit counts of the
+    earlier tests' replies are random draws, so they start again from zero)."""
+    swarm_client.auditor.counts = AuditCounts()
     assert snap_compare(ChatApp(session_of(swarm_client, 24)), press=[*"/help", "enter"], terminal_size=(100, 30))
