@@ -155,6 +155,42 @@ def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny
                           reply_decoder(Revealed, limit=me.config.max_tensor_bytes))
 
 
+def test_a_refusal_is_judged_by_asking_the_stage_again(mesh, tiny_llama):
+    """A stage that refuses its entry's reveal is excluded if it refuses the coordinator too; one that answers
+    the coordinator is judged on its answer (the entry may just have lost its link), and nobody else may ask."""
+    pipe, auditor, stages, servers = swarm(mesh, tiny_llama)
+    refuser, judge_node = stages[1], stages[2]  # the last stage plays the coordinator
+    servers[1].coordinator = lambda: judge_node.peer_id
+    servers[1].step_log.max_bytes = 0  # keeps nothing: every reveal refused
+    session, _ = run(pipe, list(PROMPTS[0]), 6)
+    assert auditor.settle([session]) == {refuser.peer_id} and auditor.counts.refused >= 1
+    evidence = next(e for e in auditor.sent if e.kind == "refused")
+    assert evidence.accused == refuser.peer_id
+
+    def ask(stage, entry, session, step):
+        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry),
+                                  reply_decoder(Revealed, limit=judge_node.config.max_tensor_bytes))
+
+    verdict = judge(evidence, Layers(tiny_llama), ask_reveal=ask)
+    assert verdict.upheld and verdict.excluded == refuser.peer_id and "refused" in verdict.reason
+    # the same stage keeping its steps again: it answers the coordinator, and nobody is excluded
+    servers[1].step_log.max_bytes = 1 << 30
+    auditor.caught.clear()
+    auditor.rate = 0.0
+    commits: list = []
+    auditor.observe = lambda _, step_commits: commits.extend(c for c in step_commits if c.stage == refuser.peer_id)
+    session, _ = run(pipe, list(PROMPTS[1]), 6)
+    claim = sign_evidence(pipe.node.identity.key_pair, Evidence(
+        kind="refused", accused=refuser.peer_id, accuser=pipe.node.peer_id, session=session, span=Span(3, 5),
+        commits=tuple(commits)))
+    verdict = judge(claim, Layers(tiny_llama), ask_reveal=ask)
+    assert not verdict.upheld and verdict.excluded == "", verdict
+    with pytest.raises(RemoteError, match="only a session's entry"):  # a third node asking for the entry
+        stages[0].request(refuser.peer_id, ids.AUDIT, Reveal(session=session, step=commits[-1].step,
+                                                             entry=pipe.node.peer_id),
+                          reply_decoder(Revealed, limit=stages[0].config.max_tensor_bytes))
+
+
 def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh, tiny_llama):
     """Only the previous hop may send a session's steps, and its commitment must come with them: a stage
     that lets an uncommitted step through would sign for it and take the blame."""

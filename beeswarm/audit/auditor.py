@@ -143,6 +143,9 @@ class Auditor:
         except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
             self.counts.refused += 1
             self._caught_in(job, f"refused an audit of step {job.step}: {e}")
+            self._report(sign_evidence(self.node.identity.key_pair, Evidence(
+                kind="refused", accused=job.stage, accuser=self.node.peer_id, session=job.session,
+                span=commits[0].span, commits=tuple(commits), detail=str(e)[:500])))
             return
         if finding is None:
             self.counts.passed += 1
@@ -170,7 +173,7 @@ class Auditor:
             log.warning("the coordinator did not take the evidence against %s: %s", evidence.accused, e)
             return
         self.verdicts.append(verdict)
-        log.info("coordinator's verdict: %s excluded (%s)", verdict.excluded, verdict.reason)
+        log.info("coordinator's verdict: %s excluded (%s)", verdict.excluded or "nobody", verdict.reason)
 
 
 def _evidence(job: _Job, me: str, commits: list[Commit], revealed: Revealed, finding: Finding) -> Evidence:

@@ -25,6 +25,8 @@ from beeswarm.shard.errors import SessionError, ShardError
 from beeswarm.shard.span import SpanRuntime
 
 RuntimeFor = Callable[[Span], SpanRuntime]  # a span's layers, to recompute with
+# (stage, entry, session, step) -> the stage's reveal of the entry's session, asked by the checker itself
+AskReveal = Callable[[str, str, str, int], Revealed]
 
 
 class RevealRefused(Exception):
@@ -114,14 +116,15 @@ def sign_evidence(key_pair: KeyPair, evidence: Evidence) -> Evidence:
 
 @dataclass(frozen=True)
 class Judgement:
-    excluded: str  # the accused, or the accuser of a false accusation
+    excluded: str  # the accused, the accuser of a false accusation, or "" (nobody)
     reason: str
     upheld: bool
 
 
-def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> Judgement:
-    """Check an accusation from its signatures (and a recomputation for `wrong`). ProtocolError when the
-    accuser did not sign it (then it is nobody's word)."""
+def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_MAX_BYTES,
+          ask_reveal: AskReveal | None = None) -> Judgement:
+    """Check an accusation from its signatures (and a recomputation for `wrong`; for `refused`, a reveal
+    asked with `ask_reveal`). ProtocolError when the accuser did not sign it (then it is nobody's word)."""
     if not commitments.verify_bytes(ev.accuser, encode(msgspec.structs.replace(ev, sig=b"")), ev.sig):
         raise ProtocolError("the evidence is not signed by the accuser it names")
 
@@ -142,6 +145,8 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
         if mine.input != prev.output or mine.context != prev.context:
             return upheld(f"step {mine.step}: it signed an input the previous stage did not send")
         return false("the chain is consistent")
+    if ev.kind == "refused":
+        return _judge_refusal(ev, runtime_for, max_bytes, ask_reveal, upheld)
     if ev.revealed is None or ev.revealed.stage != ev.accused or ev.revealed.session != ev.session or \
             any(c.stage != ev.accused or c.span != ev.span for c in ev.commits):
         return false("the reveal and commitments are not the accused's")
@@ -152,3 +157,21 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
     if finding is None:
         return false("its reveal matches its commitments and the recomputation")
     return upheld(finding.detail)
+
+
+def _judge_refusal(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int, ask_reveal: AskReveal | None,
+                   upheld: Callable[[str], Judgement]) -> Judgement:
+    if any(c.stage != ev.accused or c.span != ev.span for c in ev.commits):
+        return Judgement(ev.accuser, f"false accusation against {ev.accused}: the commitments are not its", False)
+    if ask_reveal is None:
+        raise ProtocolError("this checker cannot ask for reveals")
+    step = max(c.step for c in ev.commits)
+    try:
+        revealed = ask_reveal(ev.accused, ev.accuser, ev.session, step)
+        finding = examine(ev.accuser, ev.commits, revealed, runtime_for, max_bytes)
+    except Exception as e:  # noqa: BLE001 - no answer, a refusal, an unverifiable reveal: all a refusal
+        return upheld(f"it refused a reveal of step {step} to its entry, and to the coordinator: {e}")
+    if finding is not None:
+        return upheld(finding.detail)
+    return Judgement("", f"{ev.accused} revealed step {step} to the coordinator and it checks out "
+                         f"(the entry {ev.accuser} may have lost its link)", False)

@@ -35,6 +35,9 @@ from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.p2p.probe import Prober
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import ids
+from beeswarm.protocol.audit import Reveal, Revealed
 from beeswarm.protocol.coordinator import PlanState, stages_of
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
@@ -119,8 +122,20 @@ class Contributor:
                                          Workload(context_tokens=o.context_tokens), interval=o.interval)
         contributor = cls(identity, options, node, members, coordinator, Prober(node), say)
         coordinator.judge = functools.partial(evidence.judge, runtime_for=contributor._audit_runtime,
-                                              max_bytes=node.config.max_tensor_bytes)
+                                              max_bytes=node.config.max_tensor_bytes,
+                                              ask_reveal=contributor._ask_reveal)
         return contributor
+
+    def _ask_reveal(self, stage: str, entry: str, session: str, step: int) -> Revealed:
+        """As the coordinator judging `entry`'s word that `stage` refused it: ask `stage` ourselves."""
+        revealed: Revealed = self.node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry),
+                                               reply_decoder(Revealed, limit=self.node.config.max_tensor_bytes),
+                                               timeout=30.0)
+        return revealed
+
+    def _coordinator(self) -> str | None:
+        lease = self.coordinator.lease
+        return lease.leader if lease else None
 
     def _audit_runtime(self, span: Span) -> SpanRuntime:
         """The layers to check evidence with: the served span's own, or `span` loaded for it (the last kept)."""
@@ -369,7 +384,8 @@ class Contributor:
                 weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
                 self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
                                           link_rate=self._link_rate,
-                                          fault=Fault.from_env(runtime.folder, runtime.hidden_size)).start()
+                                          fault=Fault.from_env(runtime.folder, runtime.hidden_size),
+                                          coordinator=self._coordinator).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading, self.offload_fraction = span, None, offload_fraction

@@ -96,11 +96,12 @@ class StageServer:
                  link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None,
                  link_rate: Callable[[str], float | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, step_log: StepLog | None = None,
-                 fault: Fault | None = None):
+                 fault: Fault | None = None, coordinator: Callable[[], str | None] = lambda: None):
         """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows);
         `link_rate(peer)`: measured bytes/s towards a peer (link probes), for the codec's choice;
         `clock`: monotonic seconds, for idle expiry; `step_log`: what is kept for audits' reveals;
-        `fault`: misbehave on purpose (tests only, see `audit.faults`)."""
+        `fault`: misbehave on purpose (tests only, see `audit.faults`); `coordinator()`: the peer that may
+        ask for reveals of other entries' sessions (judging a refusal)."""
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
         self.clock = clock
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
@@ -114,7 +115,7 @@ class StageServer:
         self._worker: threading.Thread | None = None
         self.runtimes: dict[Span, SpanRuntime] = {}
         self.step_log = step_log or StepLog(clock=clock)
-        self.fault = fault
+        self.fault, self.coordinator = fault, coordinator
         self.reveals = 0
         self._draining: set[Span] = set()  # spans the plan dropped, kept until their sessions end
         self.add(runtime)
@@ -339,12 +340,16 @@ class StageServer:
         return commit
 
     def _on_reveal(self, peer: str, msg: Reveal) -> Message:
-        """A session's steps up to one, for its entry (and no one else: they are its user's text)."""
-        steps = self.step_log.upto(f"{peer}/{msg.session}", msg.step)
+        """A session's steps up to one, for its entry, or for the coordinator judging that entry's evidence;
+        no one else (they are its user's text)."""
+        entry = msg.entry or peer
+        if entry != peer and peer != self.coordinator():
+            return ErrorReply(error="only a session's entry, or the coordinator, may ask for its reveal")
+        steps = self.step_log.upto(f"{entry}/{msg.session}", msg.step)
         if steps is None:
             return ErrorReply(error=f"step {msg.step} of session {msg.session!r} is not kept here")
         self.reveals += 1
-        return reveal(self.node.identity.key_pair, self.node.peer_id, peer, msg.session, steps)
+        return reveal(self.node.identity.key_pair, self.node.peer_id, entry, msg.session, steps)
 
     def _forward(self, item: _Step, session: _Session, out: torch.Tensor, commit: Commit) -> None:
         layout = "auto" if session.compress else "raw"

@@ -254,6 +254,9 @@ class CoordinatorService:
         if peer in self.sentences:
             return ErrorReply(error="this node is excluded: it brings no evidence")
         judgement = self.judge(evidence)  # ProtocolError (unsigned) strikes the sender
+        if not judgement.excluded:
+            log.info("evidence against %s not upheld: %s", evidence.accused, judgement.reason)
+            return Verdict(excluded="", reason=judgement.reason[:500])
         sentence = Exclusion(judgement.excluded, judgement.reason[:500], until=time.time() + SENTENCE_S)
         log.warning("excluding %s for %.0f h: %s", sentence.node, SENTENCE_S / 3600, sentence.reason)
         with self._lock:

@@ -22,10 +22,12 @@ MAX_REVEAL_STEPS = 8192
 
 class Reveal(Message, frozen=True, tag="reveal"):
     """Ask a stage for a session's inputs up to and including `step`, with that step's output. Only the
-    session's entry may ask (the activations are its user's text)."""
+    session's entry may ask (the activations are its user's text), or the coordinator judging the entry's
+    evidence that the stage refused it (`entry` names whose session)."""
 
     session: SessionId
     step: Annotated[int, msgspec.Meta(ge=0)]
+    entry: PeerId | None = None
 
 
 class RevealedStep(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -56,7 +58,7 @@ def reveal_body(entry: str, r: Revealed, digests: list[tuple[bytes, bytes, bytes
                                    [(s.step, *d) for s, d in zip(r.steps, digests, strict=True)]))
 
 
-EvidenceKind = Literal["wrong", "contradiction", "chain"]
+EvidenceKind = Literal["wrong", "contradiction", "chain", "refused"]
 
 
 class Evidence(Message, frozen=True, tag="evidence"):
@@ -68,6 +70,9 @@ class Evidence(Message, frozen=True, tag="evidence"):
     - chain: `commits` holds the accused's commitment and the previous stage's for the same step, and the
       accused's input or context is not what the previous stage signed that it sent (an honest stage
       checks the previous commitment before it computes).
+    - refused: the accused did not reveal what `commits` commit to; the checker asks it itself and
+      judges what it gets (a stage that refuses the coordinator too is excluded; one that answers is
+      judged on its answer, and the accuser, who may just have lost its link, is not blamed).
     The accuser signs the whole (`sig` over the encoded evidence with `sig` empty): an accusation that does
     not hold up is evidence against its author.
     """
@@ -84,7 +89,8 @@ class Evidence(Message, frozen=True, tag="evidence"):
 
 
 class Verdict(Message, frozen=True, tag="verdict"):
-    """The coordinator's answer: who it excludes (the accused, or the accuser of a false accusation)."""
+    """The coordinator's answer: who it excludes (the accused, the accuser of a false accusation, or
+    nobody: "")."""
 
     excluded: PeerId
     reason: Annotated[str, msgspec.Meta(max_length=500)]
