@@ -138,7 +138,8 @@ def mesh_size(n: int, seconds: float, converge_timeout: float, count: bool = Tru
             time.sleep(0.05)
         # not converged in time: measure anyway (what a node receives and how complete the views are)
         convergence = time.monotonic() - t0 if converged() else None
-        before = {x: (members[x].beats_received, members[x].beats_sent, counts[x].snapshot()) for x in nodes}
+        before = {x: (members[x].beats_received, members[x].beats_sent, counts[x].snapshot(),
+                      members[x].views_received) for x in nodes}
         w0, c0 = time.monotonic(), time.process_time()
         leaders_max, views, stopped, converged_samples = 0, [], 0, 0
         while time.monotonic() - w0 < seconds:
@@ -148,7 +149,8 @@ def mesh_size(n: int, seconds: float, converge_timeout: float, count: bool = Tru
             stopped = max(stopped, sum(failed(x) for x in nodes))
             converged_samples += converged()
         wall, cpu = time.monotonic() - w0, time.process_time() - c0
-        after = {x: (members[x].beats_received, members[x].beats_sent, counts[x].snapshot()) for x in nodes}
+        after = {x: (members[x].beats_received, members[x].beats_sent, counts[x].snapshot(),
+                     members[x].views_received) for x in nodes}
 
         def rate(pick) -> dict:
             return per_node([(pick(after[x]) - pick(before[x])) / wall for x in nodes])
@@ -168,7 +170,7 @@ def mesh_size(n: int, seconds: float, converge_timeout: float, count: bool = Tru
             "heartbeats_received": rate(lambda s: s[0]), "heartbeats_sent": rate(lambda s: s[1]),
             "pubsub_received": rate(lambda s: s[2][0]), "pubsub_forwarded": rate(lambda s: s[2][1]),
             "pubsub_published": rate(lambda s: s[2][2]), "pubsub_sent": rate(lambda s: s[2][3]),
-            "rpcs_sent": rate(lambda s: s[2][4]),
+            "rpcs_sent": rate(lambda s: s[2][4]), "views_received": rate(lambda s: s[3]),
             "beat_period_s": per_node([members[x].period() for x in nodes]),
             "max_coordinators": leaders_max, "nodes_stopped": stopped,
             "converged_at_end": converged(), "process_cores": round(cpu / wall, 2),

@@ -1,10 +1,17 @@
-"""Who is in the swarm: gossipsub heartbeats carrying each node's info, and a view with events.
+"""Who is in the swarm: heartbeats carrying each node's info, and a view with events.
 
 What grows with the swarm is kept flat per node:
-- Heartbeats: a node beats every `period()` = max(interval, members / TARGET_BEATS_PER_S), so each
-  node receives about TARGET_BEATS_PER_S heartbeats a second whatever the swarm's size (gossipsub
-  forwards each one to its mesh peers: a few per message, not N). A change that matters (state,
-  spans, figures, addresses: everything but the served tokens/s) is published at once instead.
+- Beats to the coordinator: once a node follows a coordinator (`leader()`, from the election) and is
+  connected to it, it beats to it over a request (`ids.MEMBERS`) every interval, sending its info
+  only when it changed, and the answer is the coordinator's view: every live member with the seconds
+  since it was heard, and the info of those that changed since the view this node holds. A node
+  then handles one small message pair per interval whatever the swarm's size; only the coordinator's
+  inbound grows with N.
+- Gossip heartbeats, until then (a young swarm, an election, a coordinator out of reach): a node
+  beats every `period()` = max(interval, members / TARGET_BEATS_PER_S), so each node receives about
+  TARGET_BEATS_PER_S heartbeats a second whatever the swarm's size (gossipsub forwards each one to
+  its mesh peers: a few per message, not N). A change that matters (state, spans, figures, addresses:
+  everything but the served tokens/s) is sent at once instead.
 - Liveness: a member is gone `interval` after its connection to us dropped without coming back (a
   killed process is noticed in about a second), or after MISSED_BEATS of *its own* period without a
   heartbeat.
@@ -26,8 +33,9 @@ import msgspec
 import trio
 
 from beeswarm.p2p.node import Node, NodeError, PeerUnavailable
-from beeswarm.protocol import Decoder, ProtocolError, ids
-from beeswarm.protocol.membership import Heartbeat, Leave, NodeInfo
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol.membership import Beat, Heartbeat, Leave, NodeInfo, View
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +44,11 @@ PAUSED_BEATS = 2.0  # loop turns this far apart mean this process was paused (SI
 TARGET_BEATS_PER_S = 8.0  # heartbeats a node receives per second from the whole swarm
 MAX_BEAT_S = 60.0
 DIAL_BACKOFF_S = (1.0, 30.0)  # first retry, cap
+MAX_DIALS = 2  # mesh-completion dials in flight at once
+RESEND_INFO_BEATS = 10  # a beat to the coordinator carries the full info at least this often
 _messages: Decoder[Heartbeat | Leave] = Decoder(Heartbeat, Leave)
+_beats: Decoder[Beat] = Decoder(Beat, limit=256 * 1024)
+_views = reply_decoder(View, limit=64 * 1024 * 1024)
 
 
 @dataclass(frozen=True)
@@ -68,19 +80,32 @@ class Membership:
         self._lost: dict[str, float] = {}  # member -> when its connection dropped
         self._dialing: set[str] = set()
         self._dial_after: dict[str, tuple[float, float]] = {}  # member -> (next try, backoff)
+        self.leader: Callable[[], str | None] = lambda: None  # the coordinator followed (set by it)
+        self.views_received = 0
+        self._seq = 0  # bumped by every change of a member's info (numbers the views this node serves)
+        self._changed_at: dict[str, int] = {}  # member -> the seq of its last change (this node's own: "")
+        self._held: tuple[str, int] | None = None  # (coordinator, seq) of the last view taken from it
+        self._acked: NodeInfo | None = None  # the info the coordinator last took from this node
+        self._beats_to = 0
 
     @property
     def info(self) -> NodeInfo:
         return self._info
 
     def update(self, **changes: Any) -> None:
-        self._info = msgspec.structs.replace(self._info, **changes)
+        with self._lock:
+            info = msgspec.structs.replace(self._info, **changes)
+            if info != self._info:
+                self._seq += 1
+                self._changed_at[""] = self._seq
+            self._info = info
 
     def start(self) -> None:
         """Subscribe and start beating; call before or after `node.start()`."""
         self.node.on_peer_connected.append(self._on_connected)
         self.node.on_peer_disconnected.append(self._on_disconnected)
         self.node.subscribe(self.node.topic(ids.MEMBERS_TOPIC), _messages, self._on_message)
+        self.node.serve(ids.MEMBERS, self._on_beat, _beats)
         self.node.add_task(self._beat)
 
     def view(self) -> dict[str, NodeInfo]:
@@ -129,24 +154,97 @@ class Membership:
             if gone:
                 self._emit("leave", gone.info)
             return
-        info = msg.info
-        if info.peer != author:
-            raise ProtocolError(f"info claims to be {info.peer} but was published by {author}")
+        if msg.info.peer != author:
+            raise ProtocolError(f"info claims to be {msg.info.peer} but was published by {author}")
         self.beats_received += 1
+        self._heard(msg.info, self.clock())
+
+    def _heard(self, info: NodeInfo, seen: float) -> None:
+        """`info` of a member, as it was `seen` (a heartbeat, a beat, or the coordinator's view)."""
+        author = info.peer
+        if author == self.node.peer_id:
+            return
         known = self._members.get(author)
         if known is None or known.info.addrs != info.addrs:
             self.node.remember_addrs(author, info.addrs)
         with self._lock:
             old = self._members.get(author)
-            self._members[author] = Member(info, self.clock())
+            self._members[author] = Member(info, max(seen, old.last_seen) if old else seen)
+            if old is None or old.info != info:
+                self._seq += 1
+                self._changed_at[author] = self._seq
         if old is None:
             self._emit("join", info)
         elif _material(old.info) != _material(info):
             self._emit("update", info)
 
+    # beats to the coordinator -----------------------------------------------------------------------
+    async def _on_beat(self, peer: str, beat: Beat) -> Message:
+        """(As the coordinator.) Take a member's beat; answer with what changed in the view since its last."""
+        if self.leader() != self.node.peer_id:
+            return ErrorReply(error="this node is not the coordinator: beat over gossip", busy=True)
+        now = self.clock()
+        if beat.info is not None:
+            if beat.info.peer != peer:
+                raise ProtocolError(f"info claims to be {beat.info.peer} but was sent by {peer}")
+            self.beats_received += 1
+            self._heard(beat.info, now)
+        else:
+            with self._lock:
+                m = self._members.get(peer)
+                if m is None:
+                    return ErrorReply(error="unknown member: send your info", busy=True)
+                self._members[peer] = Member(m.info, now)
+        with self._lock:
+            since = beat.since if beat.since <= self._seq else 0  # a number from another coordinator
+            live = [(p, max(0.0, now - m.last_seen)) for p, m in self._members.items()]
+            changed = [m.info for p, m in self._members.items() if self._changed_at.get(p, 1) > since]
+            if since == 0 or self._changed_at.get("", 1) > since:
+                changed.append(self._info)
+            return View(seq=self._seq, live=(*live, (self.node.peer_id, 0.0)), changed=tuple(changed))
+
+    async def _beat_to(self, leader: str) -> bool:
+        """Beat to the coordinator and take its view; False if that did not work (gossip instead)."""
+        held = self._held[1] if self._held and self._held[0] == leader else 0
+        self._beats_to += 1
+        info = self._info
+        send = info if info != self._acked or self._beats_to % RESEND_INFO_BEATS == 0 else None
+        try:
+            view: View = await self.node.requests.request(leader, ids.MEMBERS, encode(Beat(info=send, since=held)),
+                                                          _views, timeout=MISSED_BEATS * self.interval)
+        except RemoteError:  # not the coordinator (any more), or it lost this node's info: send it all
+            self._acked = None
+            return False
+        except (TimeoutError, PeerUnavailable, NodeError) as e:
+            log.debug("beat to the coordinator %s failed: %s", leader, e)
+            return False
+        if send is not None:
+            self._acked = send
+        self.views_received += 1
+        self._take_view(leader, view)
+        return True
+
+    def _take_view(self, leader: str, view: View) -> None:
+        now = self.clock()
+        ages = dict(view.live)
+        for info in view.changed:
+            self._heard(info, now - ages.get(info.peer, 0.0))
+        with self._lock:
+            for peer, age in view.live:
+                m = self._members.get(peer)
+                if m is not None:
+                    self._members[peer] = Member(m.info, max(m.last_seen, now - age))
+            complete = all(p in self._members or p == self.node.peer_id for p in ages)
+        self._held = (leader, view.seq if complete else 0)  # a member whose info is missing: ask for all
+
     def _complete_mesh(self, now: float) -> None:
+        """Dial members not yet connected, a few at a time: a swarm starting at once would otherwise spend
+        its first seconds on N^2 handshakes at once (membership does not wait for them: views come from
+        the coordinator)."""
         connected = set(self.node.connected_peers())
         for info in self.view().values():
+            if len(self._dialing) >= MAX_DIALS:
+                return
             after, _ = self._dial_after.get(info.peer, (0.0, 0.0))
             if info.peer not in connected and info.peer not in self._dialing and now >= after:
                 self._dialing.add(info.peer)
@@ -191,6 +289,13 @@ class Membership:
             self._members = {peer: Member(m.info, now) for peer, m in self._members.items()}
             self._lost = {peer: now for peer in self._lost}
 
+    async def _gossip_beat(self) -> None:
+        try:
+            await self.node.publish_async(self.node.topic(ids.MEMBERS_TOPIC), Heartbeat(info=self._info))
+            self.beats_sent += 1
+        except Exception as e:  # noqa: BLE001 - no peers yet, and the like
+            log.debug("heartbeat not sent: %s", e)
+
     async def _beat(self) -> None:
         next_beat = last_sent = 0.0
         last_turn: float | None = None
@@ -199,17 +304,16 @@ class Membership:
             if last_turn is not None and now - last_turn > PAUSED_BEATS * self.interval:
                 self._resumed(now, now - last_turn)
             last_turn = now
-            period = self.period()
+            leader = self.leader()
+            to_leader = leader is not None and leader != self.node.peer_id and self.node.is_connected(leader)
+            period = self.interval if to_leader else self.period()
             if now >= next_beat:  # addresses rarely change, and reading them costs a system call each
                 self.update(addrs=tuple(self.node.addrs), beat_s=period)
             changed = self._published is None or _material(self._published) != _material(self._info)
             if now >= next_beat or changed and now - last_sent >= self.interval / 4:
-                try:
-                    await self.node.publish_async(self.node.topic(ids.MEMBERS_TOPIC), Heartbeat(info=self._info))
-                    self._published = self._info
-                    self.beats_sent += 1
-                except Exception as e:  # noqa: BLE001 - no peers yet, and the like
-                    log.debug("heartbeat not sent: %s", e)
+                if not (to_leader and leader is not None and await self._beat_to(leader)):
+                    await self._gossip_beat()
+                self._published = self._info
                 next_beat, last_sent = now + period, now
             for info, why in self._expired(now):
                 log.info("member %s is gone: %s", info.peer, why)

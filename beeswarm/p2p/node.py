@@ -435,13 +435,22 @@ class Node:
                 info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
             except Exception:  # noqa: BLE001 - a peer's bad address is its problem
                 continue
-            if str(info.peer_id) == peer and not addresses.unspecified(addr):
+            if info.peer_id.to_bytes() == _peer_bytes(peer) and not addresses.unspecified(addr):
                 store.add_addrs(info.peer_id, info.addrs, 600)
 
     def connected_peers(self) -> list[str]:
         if self._host is None:
             return []
         return [str(p) for p in self._live_peers()]
+
+    def is_connected(self, peer: str) -> bool:
+        if self._host is None:
+            return False
+        try:
+            conns = self._host.get_network().connections.get(_peer_id(peer), [])
+        except Exception:  # noqa: BLE001 - not a peer id
+            return False
+        return any(not getattr(c, "is_closed", False) for c in conns)
 
     def _live_peers(self) -> set[Any]:
         """Peers with an open connection. (py-libp2p 0.8.1 keeps a peer's key in its connection table,
@@ -451,7 +460,7 @@ class Node:
 
     async def disconnect_async(self, peer: str) -> None:
         try:
-            await self._host.disconnect(ID.from_base58(peer))
+            await self._host.disconnect(_peer_id(peer))
         except Exception as e:  # noqa: BLE001 - already gone
             log.debug("disconnect %s: %s", peer, e)
 
@@ -471,7 +480,7 @@ class Node:
             cb(peer)
 
     def _disconnected(self, peer: str) -> None:
-        if self._host is not None and ID.from_base58(peer) in self._live_peers():
+        if self._host is not None and _peer_id(peer) in self._live_peers():
             return
         self.gate.disconnected(peer)
         self.requests.forget(peer)
@@ -483,7 +492,7 @@ class Node:
         """`connected` fires before the muxer is ready, so the first stream may fail: retry (caller bounds time)."""
         while True:
             try:
-                return await self._host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
+                return await self._host.new_stream(_peer_id(peer), [TProtocol(protocol)])
             except Exception as e:  # noqa: BLE001
                 log.debug("stream %s to %s not ready: %s", protocol, peer, e)
                 await trio.sleep(0.05)
@@ -492,7 +501,7 @@ class Node:
         if self.bans.is_banned(peer):
             raise PeerUnavailable(f"{peer} is banned for {self.bans.remaining(peer):.0f} s more")
         try:
-            peer_id = ID.from_base58(peer)
+            peer_id = _peer_id(peer)
         except Exception:  # noqa: BLE001
             raise NodeError(f"{peer!r} is not a peer id") from None
         if self.private and not await self.gate.admit(peer):
@@ -592,7 +601,7 @@ class Node:
         while True:
             message = await subscription.get()
             try:
-                author = str(ID(message.from_id))
+                author = _author(message.from_id)
             except Exception:  # noqa: BLE001
                 continue
             if author == self.peer_id:
@@ -603,3 +612,18 @@ class Node:
                 self.strike(author, f"{topic}: {e}")
             except Exception:  # noqa: BLE001
                 log.exception("subscriber of %s failed", topic)
+
+
+# py-libp2p encodes base58 in pure Python on every str(ID): one encoding per peer, not per message
+@functools.lru_cache(maxsize=8192)
+def _author(from_id: bytes) -> str:
+    return str(ID(from_id))
+
+
+@functools.lru_cache(maxsize=8192)
+def _peer_id(peer: str) -> ID:
+    return ID.from_base58(peer)
+
+
+def _peer_bytes(peer: str) -> bytes:
+    return bytes(_peer_id(peer).to_bytes())

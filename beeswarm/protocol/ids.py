@@ -7,6 +7,7 @@ RESULT = "/beeswarm/result/1"  # channel: results and step errors back to the en
 PROBE = "/beeswarm/probe/1"  # channel: link probes (pings, bulk transfers)
 AUTH = "/beeswarm/auth/1"  # request: private-swarm challenge
 PLAN = "/beeswarm/plan/1"  # request: the coordinator's current signed plan
+MEMBERS = "/beeswarm/members/1"  # request: a member's beat to the coordinator, answered with the view
 AUDIT = "/beeswarm/audit/1"  # request: a stage reveals what it computed for one of the asker's sessions
 EVIDENCE = "/beeswarm/evidence/1"  # request: an entry hands the coordinator evidence against a stage
 

@@ -1,4 +1,5 @@
-"""Membership heartbeats (`ids.MEMBERS_TOPIC`): each node's `NodeInfo`, and its leave."""
+"""Membership: heartbeats carrying each node's `NodeInfo` and its leave (`ids.MEMBERS_TOPIC`), and beats
+to the coordinator answered with the view (`ids.MEMBERS`, request/response)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -46,3 +47,24 @@ class Heartbeat(Message, frozen=True, tag="heartbeat"):
 
 class Leave(Message, frozen=True, tag="leave"):
     pass
+
+
+MAX_MEMBERS = 4096
+
+
+class Beat(Message, frozen=True, tag="beat"):
+    """A member's heartbeat to the coordinator: its info when it changed (None: as last sent), and the
+    sequence number of the last view it holds (0: none), so the answer carries only what changed since."""
+
+    info: NodeInfo | None = None
+    since: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class View(Message, frozen=True, tag="view"):
+    """The coordinator's view: every live member with the seconds since it was last heard from, and the
+    info of those that changed after `since`. `seq` numbers this view (per coordinator)."""
+
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    live: Annotated[tuple[tuple[PeerId, Annotated[float, msgspec.Meta(ge=0)]], ...],
+                    msgspec.Meta(max_length=MAX_MEMBERS)] = ()
+    changed: Annotated[tuple[NodeInfo, ...], msgspec.Meta(max_length=MAX_MEMBERS)] = ()
