@@ -12,6 +12,7 @@ from beeswarm.shard import EntryModel, SessionError, ShardError, Span, SpanRunti
 from beeswarm.shard.tiny import write_tiny_checkpoint
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3"]  # every supported family (conftest makes each)
 
 
 def load_chain(folder, splits=SPLITS):
@@ -27,7 +28,7 @@ def run_chain(entry, spans, session, token_ids, start, tree_mask=None):
     return entry.logits(hidden)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_chained_spans_equal_the_full_model(tiny_models, family):
     folder = tiny_models[family]
     reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -117,7 +118,8 @@ def test_batched_sessions_equal_unbatched(tiny_llama):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def test_loading_two_of_eight_layers_reads_only_their_tensors(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loading_two_of_eight_layers_reads_only_their_tensors(tiny_models, family, monkeypatch):
     read = []
     real_safe_open = checkpoint.safe_open
 
@@ -140,7 +142,7 @@ def test_loading_two_of_eight_layers_reads_only_their_tensors(tiny_llama, monkey
             return self.handle.get_tensor(name)
 
     monkeypatch.setattr(checkpoint, "safe_open", Spy)
-    runtime = SpanRuntime(tiny_llama, Span(2, 4), dtype="float32", device="cpu")
+    runtime = SpanRuntime(tiny_models[family], Span(2, 4), dtype="float32", device="cpu")
     assert len(runtime.layers) == 2
     assert read and {int(name.split(".")[2]) for name in read} == {2, 3}
     assert all(name.startswith(("model.layers.2.", "model.layers.3.")) for name in read)
@@ -165,7 +167,7 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_llama, tmp_path)
     config = json.loads((other / "config.json").read_text())
     config["model_type"] = "gpt2"
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ShardError, match="not supported; supported: llama, mistral, qwen2"):
+    with pytest.raises(ShardError, match="not supported; supported: llama, mistral, phi3, qwen2, qwen3"):
         SpanRuntime(other, Span(0, 1), device="cpu")
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from beeswarm.shard.errors import ShardError
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
-SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
 
 
 @dataclass(frozen=True)
