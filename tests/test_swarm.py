@@ -109,3 +109,34 @@ def test_generation_survives_a_killed_stage(tiny_llama, env, tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2"])
+def test_newer_families_through_a_three_process_swarm_equal_transformers(tiny_models, family, env, tmp_path):
+    """Each family added after the first three: `swarm --local 3`, then greedy chats plain and speculating with
+    a random draft of the same vocabulary, token for token transformers' `generate`."""
+    model = tiny_models[family]
+    swarm = subprocess.Popen([sys.executable, "-m", "beeswarm", "swarm", "--local", "3", "--model", str(model)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        _, seen = read_until(lines_of(swarm), "ready", 120)
+        boot = next(line.split()[1] for line in seen if line.startswith("bootstrap "))
+        assert sum(line.startswith("contributor ") for line in seen) == 3
+        text = "def f(x):"
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        prompt = tokenizer.encode(text)
+        expected = reference_greedy(model, prompt, 12)
+        if tokenizer.eos_token_id in expected:  # chat ends at the end of sequence, as it should
+            expected = expected[:expected.index(tokenizer.eos_token_id) + 1]
+        draft = write_tiny_checkpoint(tmp_path / "draft", num_layers=1, seed=5)  # llama, the same 257 tokens
+        for extra in ([], ["--draft", str(draft)]):
+            chat = subprocess.run([sys.executable, "-m", "beeswarm", "chat", "--join", boot, "--model", str(model),
+                                   "--prompt", text, "--max-new-tokens", "12", "--greedy", "--json", "--heartbeat", "1",
+                                   *extra], capture_output=True, text=True, timeout=120, env=env)
+            assert chat.returncode == 0, chat.stderr[-3000:]
+            result = json.loads(chat.stdout)
+            assert result["tokens"] == expected, (extra, chat.stderr[-2000:])
+            assert (result["rounds"] is not None) == bool(extra)
+    finally:
+        swarm.send_signal(signal.SIGTERM)
+        swarm.wait(30)

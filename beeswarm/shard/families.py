@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from beeswarm.shard.errors import ShardError
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
-SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+             "gemma2": "Gemma2"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,21 @@ def family(config) -> Family:
     prefix = SUPPORTED[model_type]
     return Family(model_type, getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RotaryEmbedding"),
                   getattr(module, f"{prefix}RMSNorm"))
+
+
+def embedding_scale(config) -> float:
+    """What the entry multiplies embeddings by: Gemma scales them by sqrt(hidden_size), others do not."""
+    return float(config.hidden_size) ** 0.5 if config.model_type.startswith("gemma") else 1.0
+
+
+def final_softcap(config) -> float | None:
+    """Gemma 2 squashes the logits into (-cap, cap) with tanh; None: no cap."""
+    return getattr(config, "final_logit_softcapping", None)
+
+
+def attention_implementation(config) -> str:
+    """sdpa, except where attention logits are soft-capped (Gemma 2): sdpa cannot, eager can."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
 def sliding_window(config, layer: int) -> int | None:

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from beeswarm.shard import checkpoint
 from beeswarm.shard.errors import ShardError
-from beeswarm.shard.families import family
+from beeswarm.shard.families import attention_implementation, family
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def load_config(folder: Path):
     except (OSError, ValueError, KeyError) as e:
         raise ShardError(f"{folder}: cannot read config.json ({e})") from None
     family(config)  # fail early, naming the supported architectures
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention_implementation(config)
     return config
 
 

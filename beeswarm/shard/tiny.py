@@ -26,11 +26,14 @@ def write_tiny_checkpoint(folder: Path, family: str = "llama", num_layers: int =
         raise ValueError(f"family {family!r}: expected one of {sorted(SUPPORTED)}")
     tokenizer = byte_tokenizer()
     vocab = vocab_size or tokenizer.get_vocab_size()
+    # Gemma 2 alternates sliding-window and global layers: a window of 8 makes the sliding ones matter
+    extra = {"sliding_window": 8, "head_dim": hidden_size // heads, "query_pre_attn_scalar": hidden_size // heads} \
+        if family == "gemma2" else {"sliding_window": None}
     config = AutoConfig.for_model(
         family, vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate_size, max_position_embeddings=max_positions,
         tie_word_embeddings=tie_word_embeddings, initializer_range=0.1, bos_token_id=0, eos_token_id=0,
-        pad_token_id=None, sliding_window=None)
+        pad_token_id=None, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if family == "qwen2":  # qwen2 has q/k/v biases, initialised to zero: make them matter
