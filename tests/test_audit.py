@@ -20,6 +20,7 @@ from beeswarm.audit import commitments
 from beeswarm.audit.auditor import Auditor
 from beeswarm.audit.evidence import judge, sign_evidence
 from beeswarm.audit.faults import ENV, Fault, _token_direction
+from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.client.remote import Inbox, RemotePipeline, StageFailed
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.stage import StageServer
@@ -210,6 +211,21 @@ def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh,
     sent = (commitments.context(0, None, None), commitments.digest(hidden))
     with pytest.raises(StageFailed, match="0 commitments"):
         pipe._check_commits(session, 0, pipe.route, sent, Result(session=session, step=0, frame=b""), hidden)
+
+
+def test_a_stage_keeps_open_sessions_and_drops_ended_ones_oldest_first():
+    now = [0.0]
+    log = StepLog(retain_s=60, max_bytes=3 * 1024, clock=lambda: now[0])
+    step = LoggedStep(0, 0, None, None, torch.zeros(1, 128), torch.zeros(1, 128))  # 1 KiB
+    for key in ("a", "b", "c", "d"):
+        log.record(key, step)
+    assert all(log.upto(k, 0) for k in "abcd")  # over budget, but open sessions are never dropped
+    log.end("b")
+    log.end("a")
+    assert log.upto("b", 0) is None and log.upto("a", 0)  # the first to end goes first
+    now[0] = 61.0
+    log.end("c")
+    assert log.upto("a", 0) is None and log.upto("c", 0) and log.upto("d", 0)  # "a" outlived retention
 
 
 def status(boot: str, env: dict) -> dict:

@@ -1,6 +1,8 @@
-"""What a stage keeps so it can answer reveals: every step of a session, while it is open and for
-`retain_s` after it ends, within `max_bytes` in all (the oldest ended sessions go first, then the oldest
-open ones). A reveal for a session no longer kept is refused; the entry treats that as a refusal."""
+"""What a stage keeps so it can answer reveals: every step of a session while it is open, and for
+`retain_s` after it ends within `max_bytes` (the oldest ended sessions go first). An open session's steps
+are never dropped: a reveal refused for want of them would get an honest stage excluded, and what they
+take is bounded by the sessions admitted (their hidden states are no bigger than the KV cache the
+stage's memory budget already admits them for, beyond the first few layers)."""
 from __future__ import annotations
 
 import threading
@@ -82,9 +84,11 @@ class StepLog:
         now = self.clock()
         for key in [k for k, v in self._logs.items() if v.ended is not None and now - v.ended > self.retain_s]:
             self._drop(key)
-        while self._bytes > self.max_bytes and self._logs:
-            ended = [k for k, v in self._logs.items() if v.ended is not None]
-            self._drop(ended[0] if ended else next(iter(self._logs)))
+        ended = [k for k, v in self._logs.items() if v.ended is not None]  # oldest first
+        for key in ended:
+            if self._bytes <= self.max_bytes:
+                break
+            self._drop(key)
 
     def _drop(self, key: str) -> None:
         self._bytes -= self._logs.pop(key).nbytes
