@@ -21,7 +21,7 @@ def digest(tensor: torch.Tensor) -> bytes:
     t = tensor.detach().to("cpu").contiguous()
     h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=DIGEST_BYTES)
     if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.digest()
 
 

@@ -93,7 +93,8 @@ class SwarmClient:
         self._lock = threading.Lock()
         self._audit_runtimes: dict[Span, SpanRuntime] = {}
         self._audit_lock = threading.Lock()
-        self.auditor = Auditor(node, self._audit_runtime, self.options.audit_rate, self._caught, self._coordinator) \
+        self.auditor = Auditor(node, self._audit_runtime, self.options.audit_rate, self._caught,
+                               coordinator.leader) \
             if self.options.audit_rate > 0 else None
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
 
@@ -109,10 +110,6 @@ class SwarmClient:
                 log.info("loading layers %s to audit with", span)
                 self._audit_runtimes[span] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype, self.entry.device)
             return self._audit_runtimes[span]
-
-    def _coordinator(self) -> str | None:
-        lease = self.coordinator.lease
-        return lease.leader if lease else None
 
     def _caught(self, peer: str, why: str) -> None:
         """A stage failed or refused an audit: ban it, and fail the steps waiting on it now."""
@@ -245,26 +242,20 @@ class SwarmClient:
         tokens: they are taken back (`on_rewind(n)`: only the first n tokens stand) and generated again on a
         route without it, so what is returned never rests on a stage caught lying."""
         speculate = self.speculate and self.draft is not None and self._draft_busy.acquire(blocking=False)
+        sessions: list[str] = []
         try:
             return self._generate(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout, speculate,
-                                  on_rewind)
+                                  on_rewind, sessions)
+        except BaseException:
+            if self.auditor:
+                self.auditor.settle(sessions, timeout=0)  # forget them: nobody waits for their verdicts
+            raise
         finally:
             if speculate:
                 self._draft_busy.release()
 
     def _generate(self, prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
-                  speculate: bool, on_rewind) -> SwarmGeneration:
-        sessions: list[str] = []
-        try:
-            return self._generate_in(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
-                                     speculate, on_rewind, sessions)
-        except BaseException:
-            if self.auditor:
-                self.auditor.settle(sessions, timeout=0)  # forget them: nobody waits for their verdicts
-            raise
-
-    def _generate_in(self, prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
-                     speculate: bool, on_rewind, sessions: list[str]) -> SwarmGeneration:
+                  speculate: bool, on_rewind, sessions: list[str]) -> SwarmGeneration:
         generator = new_generator(params)
         tokens: list[int] = []
         routes: list[Route] = []

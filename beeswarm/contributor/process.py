@@ -133,10 +133,6 @@ class Contributor:
                                                timeout=30.0)
         return revealed
 
-    def _coordinator(self) -> str | None:
-        lease = self.coordinator.lease
-        return lease.leader if lease else None
-
     def _audit_runtime(self, span: Span) -> SpanRuntime:
         """The layers to check evidence with: the served span's own, or `span` loaded for it (the last kept)."""
         with self._lock:
@@ -385,7 +381,7 @@ class Contributor:
                 self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
                                           link_rate=self._link_rate,
                                           fault=Fault.from_env(runtime.folder, runtime.hidden_size),
-                                          coordinator=self._coordinator).start()
+                                          coordinator=self.coordinator.leader).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading, self.offload_fraction = span, None, offload_fraction

@@ -6,8 +6,8 @@ only from the coordinator they follow, for its current term, with a newer epoch 
 from __future__ import annotations
 
 from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
 
+from beeswarm.audit.commitments import sign_bytes, verify_bytes
 from beeswarm.protocol import Decoder, ProtocolError, encode
 from beeswarm.protocol.coordinator import PlanState, SignedPlan
 
@@ -16,7 +16,7 @@ _bodies = Decoder(PlanState, limit=60_000)
 
 def sign(key_pair: KeyPair, plan: PlanState) -> SignedPlan:
     body = encode(plan)
-    return SignedPlan(body=body, sig=key_pair.private_key.sign(body))
+    return SignedPlan(body=body, sig=sign_bytes(key_pair, body))
 
 
 def verify(msg: SignedPlan, author: str) -> PlanState:
@@ -24,11 +24,6 @@ def verify(msg: SignedPlan, author: str) -> PlanState:
     plan = _bodies.decode(msg.body)
     if plan.coordinator != author:
         raise ProtocolError(f"plan names {plan.coordinator} as its coordinator but was published by {author}")
-    try:
-        key = ID.from_base58(plan.coordinator).extract_public_key()
-        ok = key is not None and key.verify(msg.body, msg.sig)
-    except Exception:  # noqa: BLE001 - unparseable ids, non-Ed25519 keys
-        ok = False
-    if not ok:
+    if not verify_bytes(plan.coordinator, msg.body, msg.sig):
         raise ProtocolError("plan signature does not verify against its coordinator's key")
     return plan

@@ -146,7 +146,7 @@ class CoordinatorService:
         self.pulled_plans = 0
 
     def start(self) -> None:
-        self.members.leader = self._leader  # members beat to the coordinator once there is one
+        self.members.leader = self.leader  # members beat to the coordinator once there is one
         self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
         self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
         if self.judge is not None:
@@ -162,7 +162,8 @@ class CoordinatorService:
         if event == "join":  # the newcomer needs the current plan: send it again soon
             self._republish_at = min(self._republish_at, self.clock() + SETTLE_BEATS * self.interval)
 
-    def _leader(self) -> str | None:
+    def leader(self) -> str | None:
+        """The coordinator this node follows (itself while leading), or None."""
         lease = self.election.current
         return lease.leader if lease else None
 
