@@ -38,6 +38,7 @@ from libp2p.utils.varint import encode_uvarint
 from beeswarm.protocol import encode, ids
 from beeswarm.protocol.audit import Evidence, Reveal, Revealed, RevealedStep
 from beeswarm.protocol.auth import Challenge, Proof
+from beeswarm.protocol.membership import Beat, NodeInfo
 from beeswarm.protocol.probe import Download, Ping, Upload
 from beeswarm.protocol.session import Close, Open
 from beeswarm.protocol.spans import Span
@@ -46,7 +47,7 @@ from beeswarm.protocol.step import Commit, Keep, Result, Step, StepError
 GOSSIPSUB = "/meshsub/1.0.0"
 PING = "/ipfs/ping/1.0.0"
 MULTISTREAM = "multistream-select"  # a raw muxed stream: the negotiation itself is the target
-OURS = (ids.SESSION, ids.STEP, ids.RESULT, ids.PROBE, ids.AUTH, ids.AUDIT, ids.EVIDENCE)
+OURS = (ids.SESSION, ids.STEP, ids.RESULT, ids.PROBE, ids.AUTH, ids.MEMBERS, ids.AUDIT, ids.EVIDENCE)
 PROTOCOLS = (*OURS, GOSSIPSUB, str(IDENTIFY), str(IDENTIFY_PUSH), PING, str(RELAY_HOP), str(RELAY_STOP), MULTISTREAM)
 KINDS = ("random", "huge", "truncated", "wrong", "wrong", "mutated")
 
@@ -149,6 +150,13 @@ def _probe(rng: random.Random, ctx: Context) -> bytes:
 def _auth(rng: random.Random, ctx: Context) -> bytes:
     valid = rng.choice([Challenge(nonce=rng.randbytes(32)), Proof(nonce=rng.randbytes(32), mac=rng.randbytes(32))])
     return _wrong_map(rng, valid, ("challenge", "proof")) if rng.random() < 0.8 else encode(valid)
+
+
+def _beat(rng: random.Random, ctx: Context) -> bytes:
+    info = NodeInfo(peer=rng.choice([ctx.me, ctx.me, _peer_id(rng, ctx)]), addrs=("/ip4/127.0.0.1/tcp/1",),
+                    state=rng.choice(["idle", "serving"]))
+    valid = Beat(info=rng.choice([None, info]), since=rng.choice([0, 1, 2**40]))
+    return _wrong_map(rng, valid, ("beat",)) if rng.random() < 0.8 else encode(valid)
 
 
 def _reveal(rng: random.Random, ctx: Context) -> bytes:
@@ -324,6 +332,7 @@ SPECS: dict[str, Spec] = {
     ids.RESULT: Spec(_result, _u32, _huge_u32),
     ids.PROBE: Spec(_probe, _u32, _huge_u32),
     ids.AUTH: Spec(_auth, _u32, _huge_u32),
+    ids.MEMBERS: Spec(_beat, _u32, _huge_u32),
     ids.AUDIT: Spec(_reveal, _u32, _huge_u32),
     ids.EVIDENCE: Spec(_evidence, _u32, _huge_u32),
     GOSSIPSUB: Spec(_gossipsub, _varint, _huge_varint),
