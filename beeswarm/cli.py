@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 import beeswarm
+from beeswarm.protocol.membership import Quant
 
 log = logging.getLogger("beeswarm")
 
@@ -43,6 +44,17 @@ def _add_entry_addrs(p: argparse.ArgumentParser) -> None:
                    help="where this entry's node listens (stages connect back to it)")
     p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
                    help="an address peers should dial (a port-forward or a public address)")
+
+
+QUANT_HELP = ("the weights' format every contributor serves: none (the checkpoint's), int8 (weight-only, "
+              "per-channel scales; CPU and CUDA) or nf4 (4-bit; meant for CUDA)")
+
+
+def _add_quant(p: argparse.ArgumentParser, default: str | None = "none") -> None:
+    from beeswarm.protocol.membership import QUANT_FORMATS
+
+    p.add_argument("--quant", choices=QUANT_FORMATS, default=default,
+                   help=QUANT_HELP + (f" (default: {default})" if default else " (default: the swarm's, else none)"))
 
 
 def _audit_rate(text: str) -> float:
@@ -118,7 +130,7 @@ def cmd_demo(args) -> int:
         raise UserError("give --prompt TEXT or --serve (the chat app needs a terminal)")
     draft, tuner = _speculation(args, entry)  # a bad flag fails before any process starts
     stages = min(3, entry.config.num_hidden_layers)
-    swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device)
+    swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device, quant=args.quant)
     torch.set_num_threads(threads_per_process(stages + 1))  # the entry shares the cores with the stages
     client = None
     try:
@@ -206,8 +218,10 @@ def cmd_contribute(args) -> int:
     except DescriptorError as e:
         raise UserError(str(e)) from None
     model = args.model or (descriptor.model if descriptor else "tinycode")
+    quant: Quant = args.quant or (descriptor.quant if descriptor else "none")
     options = ContributorOptions(model=model, join=bootstrap, listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
                                  announce=args.announce, relays=args.relay, device=args.device, dtype=args.dtype,
+                                 quant=quant,
                                  max_memory=args.max_memory, secret=_secret(args.swarm_secret_env),
                                  interval=args.heartbeat)
     dashboard = not args.headless and _interactive()
@@ -261,7 +275,8 @@ def cmd_swarm(args) -> int:
 
     from beeswarm.contributor.local import LocalSwarm, LocalSwarmError
 
-    swarm = LocalSwarm(args.local, args.model, args.base_port, heartbeat=args.heartbeat, device=args.device)
+    swarm = LocalSwarm(args.local, args.model, args.base_port, heartbeat=args.heartbeat, device=args.device,
+                       quant=args.quant)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -518,7 +533,7 @@ def cmd_bench(args) -> int:
 
     from beeswarm.shard import benchmark
 
-    result = benchmark.run(args.model, args.device, args.dtype, refresh=args.refresh,
+    result = benchmark.run(args.model, args.device, args.dtype, refresh=args.refresh, weights=args.quant,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(asdict(result)))
@@ -528,7 +543,9 @@ def cmd_bench(args) -> int:
           f"  per layer:  {result.layer_ms_base:.3f} ms + {result.layer_ms_per_token:.4f} ms/token\n"
           f"  memory:     {result.mem_bytes / 2**30:.1f} GiB free, {result.host_mem_bytes / 2**30:.1f} GiB host\n"
           f"  offload:    {offload}\n"
-          f"  layer size: {result.layer_bytes / 2**20:.1f} MiB, KV {result.kv_bytes_per_token_layer} B/token/layer")
+          f"  layer size: {result.layer_bytes / 2**20:.1f} MiB"
+          f"{f' ({result.quant} weights)' if result.quant != 'none' else ''}, "
+          f"KV {result.kv_bytes_per_token_layer} B/token/layer")
     return 0
 
 
@@ -589,6 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(demo)
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     demo.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    _add_quant(demo)
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     demo.add_argument("--serve", action="store_true", help="serve the OpenAI-compatible API instead of chatting")
     _add_serve(demo)
@@ -600,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--model", default="tinycode", help="built-in name, folder or hub id")
     swarm.add_argument("--base-port", type=int, default=0, metavar="P", help="listen on P, P+1, ... (default: any)")
     swarm.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    _add_quant(swarm)
     swarm.add_argument("--heartbeat", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
     swarm.add_argument("--json", action="store_true", help="print each line as a JSON object (for scripts)")
     swarm.set_defaults(func=cmd_swarm)
@@ -668,6 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="reserve a slot on this relay when peers cannot dial this machine")
     contrib.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     contrib.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    _add_quant(contrib, default=None)
     contrib.add_argument("--max-memory", type=int, default=None, metavar="BYTES", help="memory to offer the swarm")
     contrib.add_argument("--swarm-secret-env", default=None, metavar="NAME",
                          help="read the private-swarm secret from this environment variable")
@@ -678,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="tinycode", help="built-in name, checkpoint folder or hub id")
     bench.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     bench.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    _add_quant(bench)
     bench.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     bench.set_defaults(func=cmd_bench)

@@ -5,7 +5,8 @@ import pytest
 
 from beeswarm.shard.tiny import write_tiny_checkpoint
 
-FAMILY_SEEDS = {"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "phi3": 4, "gemma2": 5}
+FAMILY_SEEDS = {"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "phi3": 4, "gemma2": 5, "gemma3_text": 6,
+                "mixtral": 7, "qwen3_moe": 8}
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from beeswarm.shard import EntryModel, SessionError, ShardError, Span, SpanRuntime, StepInput, checkpoint
+from beeswarm.shard.families import SUPPORTED
 from beeswarm.shard.tiny import write_tiny_checkpoint
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"]  # every supported family (conftest makes each)
+FAMILIES = sorted(SUPPORTED)  # every supported family (conftest makes each)
 
 
 def load_chain(folder, splits=SPLITS):
@@ -167,7 +168,8 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_llama, tmp_path)
     config = json.loads((other / "config.json").read_text())
     config["model_type"] = "gpt2"
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ShardError, match="not supported; supported: gemma2, llama, mistral, phi3, qwen2, qwen3"):
+    with pytest.raises(ShardError, match="not supported; supported: gemma2, gemma3_text, llama, mistral, mixtral, "
+                                         "phi3, qwen2, qwen3, qwen3_moe$"):
         SpanRuntime(other, Span(0, 1), device="cpu")
 
 

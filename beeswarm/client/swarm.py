@@ -91,7 +91,7 @@ class SwarmClient:
         self._pipes: dict[Route, RemotePipeline] = {}
         self._retired = (0, 0)  # (wire, raw) bytes of pipelines closed since
         self._lock = threading.Lock()
-        self._audit_runtimes: dict[Span, SpanRuntime] = {}
+        self._audit_runtimes: dict[tuple[Span, str], SpanRuntime] = {}
         self._audit_lock = threading.Lock()
         self.auditor = Auditor(node, self._audit_runtime, self.options.audit_rate, self._caught,
                                coordinator.leader) \
@@ -103,13 +103,15 @@ class SwarmClient:
         return self.auditor.counts if self.auditor else AuditCounts()
 
     def _audit_runtime(self, span: Span) -> SpanRuntime:
-        """The layers of `span`, loaded once, to recompute audited steps with (the entry's dtype and device:
-        the swarm's)."""
+        """The layers of `span`, loaded once, to recompute audited steps with (the entry's dtype and device, the
+        weights' format of the plan: the swarm's)."""
+        weights = self.coordinator.state.quant
         with self._audit_lock:
-            if span not in self._audit_runtimes:
-                log.info("loading layers %s to audit with", span)
-                self._audit_runtimes[span] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype, self.entry.device)
-            return self._audit_runtimes[span]
+            if (span, weights) not in self._audit_runtimes:
+                log.info("loading layers %s (%s weights) to audit with", span, weights)
+                self._audit_runtimes[span, weights] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype,
+                                                                      self.entry.device, quant=weights)
+            return self._audit_runtimes[span, weights]
 
     def _caught(self, peer: str, why: str) -> None:
         """A stage failed or refused an audit: ban it, and fail the steps waiting on it now."""

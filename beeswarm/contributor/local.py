@@ -26,6 +26,7 @@ from pathlib import Path
 from beeswarm.config import cache_dir
 from beeswarm.contributor.process import model_shape
 from beeswarm.p2p.descriptor import SwarmDescriptor, write
+from beeswarm.protocol.membership import Quant
 from beeswarm.protocol.spans import Span, even_splits
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def budgets(model: str, n: int, dtype: str = "auto", device: str = "auto") -> list[int]:
+def budgets(model: str, n: int, dtype: str = "auto", device: str = "auto", quant: Quant = "none") -> list[int]:
     """Memory per child: its even share of the layers (weights + KV for the default context) + 5%."""
-    shape = model_shape(model, device, dtype)
+    shape = model_shape(model, device, dtype, quant)
     per_layer = shape.layer_bytes + CONTEXT_TOKENS * shape.kv_bytes_per_token_layer
     return [math.ceil(len(span) * per_layer * 1.05) for span in even_splits(shape.num_layers, n)]
 
@@ -87,12 +88,13 @@ def threads_per_process(processes: int) -> int:
 class LocalSwarm:
     def __init__(self, n: int, model: str = "tinycode", base_port: int = 0, heartbeat: float = 1.0,
                  log_level: str = "WARNING", state_dir: Path | None = None, device: str = "auto",
-                 announce: list[str] | None = None, on_spawn: Callable[[int, int], None] | None = None):
+                 announce: list[str] | None = None, on_spawn: Callable[[int, int], None] | None = None,
+                 quant: Quant = "none"):
         """`announce`: per child, the multiaddr peers should dial instead of its own (a link emulator's);
         `on_spawn(index, pid)` is called as each child starts, before it can dial anyone."""
         self.n, self.model, self.base_port, self.heartbeat = n, model, base_port, heartbeat
         self.announce, self.on_spawn = announce, on_spawn
-        self.log_level, self.device = log_level, device
+        self.log_level, self.device, self.quant = log_level, device, quant
         # One folder per run: two local swarms on one machine must not share identities.
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="swarm-", dir=_runs_dir()))
         self.children: list[Child] = []
@@ -102,7 +104,7 @@ class LocalSwarm:
         port = self.base_port + index if self.base_port else 0
         cmd = [*beeswarm_command(), "--log-level", self.log_level, "contribute", "--headless", "--json-events",
                "--model", self.model, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory", str(budget),
-               "--device", self.device, "--heartbeat", str(self.heartbeat)]
+               "--device", self.device, "--heartbeat", str(self.heartbeat), "--quant", self.quant]
         if join:
             cmd += ["--join", join]
         if self.announce:
@@ -149,7 +151,7 @@ class LocalSwarm:
         self.num_layers = load_config(checkpoint.resolve_config(self.model)).num_hidden_layers
         if not 1 <= self.n <= self.num_layers:
             raise LocalSwarmError(f"--local {self.n}: the model has {self.num_layers} layers; use 1..{self.num_layers}")
-        sizes = budgets(self.model, self.n, device=self.device)
+        sizes = budgets(self.model, self.n, device=self.device, quant=self.quant)
         first = self._spawn(0, sizes[0], None)
         self.children.append(first)
         deadline = time.monotonic() + timeout
@@ -182,7 +184,7 @@ class LocalSwarm:
             time.sleep(0.1)
 
     def descriptor(self, bootstrap: str) -> SwarmDescriptor:
-        return SwarmDescriptor(name="local", model=self.model, bootstrap=(bootstrap,), private=False)
+        return SwarmDescriptor(name="local", model=self.model, bootstrap=(bootstrap,), private=False, quant=self.quant)
 
     def write_descriptor(self, bootstrap: str) -> Path:
         return write(self.descriptor(bootstrap), self.state_dir / "swarm.json")

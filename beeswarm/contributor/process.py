@@ -39,7 +39,7 @@ from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import ids
 from beeswarm.protocol.audit import Reveal, Revealed
 from beeswarm.protocol.coordinator import PlanState, stages_of
-from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.membership import NodeInfo, Quant
 from beeswarm.protocol.spans import Span
 from beeswarm.shard import benchmark
 from beeswarm.shard.span import SpanRuntime
@@ -63,14 +63,15 @@ class ContributorOptions:
     relays: list[str] = field(default_factory=list)
     device: str = "auto"
     dtype: str = "auto"
+    quant: Quant = "none"  # the weights' format: the swarm's, every node the same
     max_memory: int | None = None
     secret: bytes | None = None
     interval: float = 3.0
     context_tokens: int = 2048
 
 
-def model_shape(model: str, device: str = "auto", dtype: str = "auto") -> ModelShape:
-    """The planner's figures of a model's layers, from its config (no weights loaded)."""
+def model_shape(model: str, device: str = "auto", dtype: str = "auto", quant: Quant = "none") -> ModelShape:
+    """The planner's figures of a model's layers in weight format `quant`, from its config (no weights loaded)."""
     from beeswarm.shard import checkpoint
     from beeswarm.shard.device import resolve_device, resolve_dtype
     from beeswarm.shard.families import kv_bytes_per_token_layer
@@ -78,8 +79,8 @@ def model_shape(model: str, device: str = "auto", dtype: str = "auto") -> ModelS
 
     config = load_config(checkpoint.resolve_config(model))
     dt = resolve_dtype(dtype, resolve_device(device))
-    return ModelShape(config.num_hidden_layers, config.hidden_size, benchmark.layer_bytes(config, dt),
-                      kv_bytes_per_token_layer(config, dt), act_bytes=2)
+    return ModelShape(config.num_hidden_layers, config.hidden_size, benchmark.layer_bytes(config, dt, quant),
+                      kv_bytes_per_token_layer(config, dt), act_bytes=2, quant=quant)
 
 
 class Contributor:
@@ -116,9 +117,9 @@ class Contributor:
         o = options
         node = Node(identity, NodeConfig(listen=o.listen, announce=o.announce, bootstrap=o.join, secret=o.secret,
                                          relays=o.relays))
-        members = Membership(node, NodeInfo(peer=identity.peer_id, role="contributor", state="idle"),
+        members = Membership(node, NodeInfo(peer=identity.peer_id, role="contributor", state="idle", quant=o.quant),
                              interval=o.interval)
-        coordinator = CoordinatorService(node, members, model_shape(o.model, o.device, o.dtype),
+        coordinator = CoordinatorService(node, members, model_shape(o.model, o.device, o.dtype, o.quant),
                                          Workload(context_tokens=o.context_tokens), interval=o.interval)
         contributor = cls(identity, options, node, members, coordinator, Prober(node), say)
         coordinator.judge = functools.partial(evidence.judge, runtime_for=contributor._audit_runtime,
@@ -141,7 +142,8 @@ class Contributor:
                 served = self._judging
         if served is None:
             log.info("loading layers %s to check evidence against them", span)
-            served = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device)
+            served = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
+                                      quant=self.options.quant)
             with self._lock:
                 self._judging = served
         return served
@@ -185,7 +187,7 @@ class Contributor:
         o = self.options
         self._report("bench", "device benchmark")
         try:
-            figures = benchmark.run(o.model, o.device, o.dtype, refresh=refresh,
+            figures = benchmark.run(o.model, o.device, o.dtype, refresh=refresh, weights=o.quant,
                                     progress=lambda line: log.info("%s", line),
                                     on_step=lambda done, total: self._step("bench", "device benchmark", done, total))
         except Leaving:
@@ -312,7 +314,9 @@ class Contributor:
         runtime = server.runtimes.get(self.span) if server and self.span is not None else None
         resident = round(len(runtime.layers) * self.layer_bytes) if runtime is not None else 0
         history = tuple(self._history)
-        excluded = next((e.reason for e in self.coordinator.state.excluded if e.node == me.peer and e.until), "")
+        plan = self.coordinator.state  # shown: a sentence, or serving weights in another format than the swarm
+        excluded = next((e.reason for e in plan.excluded
+                         if e.node == me.peer and (e.until or plan.quant != self.options.quant)), "")
         serving = ServingFigures(len(sessions), traffic.steps, traffic.tokens, history[-1] if history else 0.0,
                                  history, traffic.raw_in, traffic.wire_in, traffic.raw_out, traffic.wire_out,
                                  server.reveals, server.step_log.nbytes, excluded) \
@@ -365,7 +369,8 @@ class Contributor:
         try:
             runtime = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
                                        offload_fraction, on_bytes=self._download_progress,
-                                       on_layer=lambda done, total: self._step("load", label, done, total))
+                                       on_layer=lambda done, total: self._step("load", label, done, total),
+                                       quant=self.options.quant)
         except Leaving:
             return
         except Exception as e:  # noqa: BLE001 - report, keep serving the old span

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import Any, Literal, overload
 
+from beeswarm.protocol.membership import Quant
+
 
 class ClusterError(ValueError):
     """The cluster description is malformed; the message starts with the field path."""
@@ -22,6 +24,7 @@ class ModelShape:
     layer_bytes: int
     kv_bytes_per_token_layer: int
     act_bytes: int = 2
+    quant: Quant = "none"  # the weights' format `layer_bytes` counts; nodes serving another are not planned
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ class StatusReport:
             "coordinator": self.coordinator, "term": self.term, "epoch": self.epoch,
             "plan": None if self.plan is None else {
                 "term": self.plan.term, "epoch": self.plan.epoch, "coordinator": self.plan.coordinator,
-                "objective": self.plan.objective, "migrating": self.plan.migrating(),
+                "objective": self.plan.objective, "quant": self.plan.quant, "migrating": self.plan.migrating(),
                 "active": [_pipeline_json(p) for p in self.plan.active],
                 "target": [_pipeline_json(p) for p in self.plan.target],
                 "excluded": [{"node": e.node, "reason": e.reason, "until": e.until or None}
@@ -128,7 +128,7 @@ class StatusReport:
             return out
         p = self.plan
         out.append(f"plan: term {p.term} epoch {p.epoch} by {short(p.coordinator)}, objective {p.objective}"
-                   f"{', migrating' if p.migrating() else ''}")
+                   f"{f', {p.quant} weights' if p.quant != 'none' else ''}{', migrating' if p.migrating() else ''}")
         out += [f"  active {line}" for line in _pipeline_lines(p.active)]
         if p.migrating():
             out += [f"  target {line}" for line in _pipeline_lines(p.target)]

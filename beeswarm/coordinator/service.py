@@ -69,7 +69,8 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
     for peer, info in sorted(members.items()):
         b = info.bench
         base = b.get("layer_ms_base")  # a peer may send null: such a node is not benchmarked yet
-        if info.role != "contributor" or info.state in ("paused", "leaving") or base is None:
+        if info.role != "contributor" or info.state in ("paused", "leaving") or base is None or \
+                info.quant != model.quant:
             continue
         rtts = {other: link[0] for other, link in info.links.items()}
         up = statistics.median([v[1] for v in info.links.values()]) if info.links else DEFAULT_LINK[1]
@@ -131,7 +132,7 @@ class CoordinatorService:
         self.judge = judge
         self.sentences: dict[str, Exclusion] = {}  # nodes kept out of plans by upheld evidence
         self.workload = workload or Workload()
-        self.interval, self.replan_threshold = interval, replan_threshold
+        self.interval, self.replan_threshold, self.eligible = interval, replan_threshold, eligible
         self.election = Election(node.peer_id, interval, eligible, clock)
         self.state = PlanState()
         self.listeners: list[Callable[[PlanState], None]] = []
@@ -284,8 +285,11 @@ class CoordinatorService:
     async def _loop(self) -> None:
         last_replan = 0.0
         while True:
-            candidates = {p for p, info in self.members.view().items() if info.role == "contributor"}
+            # a node serving weights in another format than the swarm's plan never leads it (nor is deferred to)
+            candidates = {p for p, info in self.members.view().items()
+                          if info.role == "contributor" and info.quant == self.model.quant}
             with self._lock:
+                self.election.eligible = self.eligible and (not self.state.epoch or self.state.quant == self.model.quant)
                 claim = self.election.tick(candidates)
             if claim is not None:
                 log.info("claimed coordinator lease, term %d", claim.term)
@@ -337,8 +341,11 @@ class CoordinatorService:
             return
         active, target = next_assignment(cluster, result.pipelines, result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
+        other_format = tuple(Exclusion(peer, f"serves {info.quant} weights; this swarm serves {self.model.quant}")
+                             for peer, info in sorted(view.items())
+                             if info.role == "contributor" and info.quant != self.model.quant)
         with self._lock:
-            excluded = result.excluded + tuple(self.sentences.values())
+            excluded = result.excluded + other_format + tuple(self.sentences.values())
         if (active, target, excluded) == (self.state.active, self.state.target, self.state.excluded) and \
                 self.state.coordinator == self.node.peer_id:
             return  # the same assignments: no new epoch (newcomers get the current plan re-sent)
@@ -348,7 +355,8 @@ class CoordinatorService:
             log.info("lost the lease while planning: the plan is not published")
             return
         state = PlanState(term=lease.term, epoch=lease.epoch, coordinator=self.node.peer_id,
-                          objective=result.objective, active=active, target=target, excluded=excluded)
+                          objective=result.objective, quant=self.model.quant, active=active, target=target,
+                          excluded=excluded)
         self._signed = plans.sign(self.node.identity.key_pair, state)
         self._republish_at = self.clock() + REPUBLISH_BEATS * self.interval
         await self._publish(self._signed)

@@ -1,6 +1,6 @@
 """How a volunteer joins from a link: `--join` takes multiaddrs or the URL of a swarm descriptor.
 
-A descriptor is JSON: {"name", "model", "bootstrap": [multiaddr, ...], "private": bool}.
+A descriptor is JSON: {"name", "model", "bootstrap": [multiaddr, ...], "private": bool, "quant": format}.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from beeswarm.protocol.membership import QUANT_FORMATS, Quant
 
 RETRIES = 3
 TIMEOUT_S = 10.0
@@ -26,9 +28,11 @@ class SwarmDescriptor:
     model: str
     bootstrap: tuple[str, ...]
     private: bool = False
+    quant: Quant = "none"  # the format of the weights every contributor serves
 
     def to_json(self) -> dict:
-        return {"name": self.name, "model": self.model, "bootstrap": list(self.bootstrap), "private": self.private}
+        return {"name": self.name, "model": self.model, "bootstrap": list(self.bootstrap), "private": self.private,
+                "quant": self.quant}
 
 
 def parse(data: object, where: str) -> SwarmDescriptor:
@@ -39,7 +43,11 @@ def parse(data: object, where: str) -> SwarmDescriptor:
             raise DescriptorError(f"{where}: field {key!r} is missing or not a {kind.__name__}")
     if not data["bootstrap"] or not all(isinstance(a, str) and a.startswith("/") for a in data["bootstrap"]):
         raise DescriptorError(f"{where}: 'bootstrap' must list multiaddrs")
-    return SwarmDescriptor(data["name"], data["model"], tuple(data["bootstrap"]), bool(data.get("private", False)))
+    quant = data.get("quant", "none")
+    if quant not in QUANT_FORMATS:
+        raise DescriptorError(f"{where}: 'quant' must be one of {', '.join(QUANT_FORMATS)}")
+    return SwarmDescriptor(data["name"], data["model"], tuple(data["bootstrap"]), bool(data.get("private", False)),
+                           quant)
 
 
 def fetch(url: str, retries: int = RETRIES) -> SwarmDescriptor:

@@ -109,6 +109,10 @@ class Summarised(logging.Handler):
 _level: int | None = None  # set by `setup()`
 
 
+# warnings torchao's import logs (CUDA-only kernels absent, torch deprecations): not the user's concern
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
 def setup(level: str | int = "WARNING", stream: TextIO | None = None, interval: float = INTERVAL_S) -> None:
     """The process's logging: records at `level` and above on `stream` (stderr), one line each,
     repeated warnings summarised per `interval`. py-libp2p's and multiaddr's records are shown from
@@ -120,6 +124,8 @@ def setup(level: str | int = "WARNING", stream: TextIO | None = None, interval: 
     ours = logging.getLogger(OURS)
     _route(ours, Summarised(interval=interval))
     adopt_libp2p(interval)
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(numeric if numeric <= logging.DEBUG else logging.ERROR)
 
 
 def adopt_libp2p(interval: float = INTERVAL_S) -> None:

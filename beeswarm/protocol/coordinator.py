@@ -10,6 +10,7 @@ from typing import Annotated
 import msgspec
 
 from beeswarm.protocol.encoding import Message
+from beeswarm.protocol.membership import Quant
 from beeswarm.protocol.session import PeerId
 from beeswarm.protocol.spans import Span
 
@@ -55,6 +56,7 @@ class PlanState(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = 0
     coordinator: PeerId = ""
     objective: str = "latency"
+    quant: Quant = "none"  # the weights' format every stage of the plan serves (audits replay in it too)
     active: Pipelines = ()
     target: Pipelines = ()
     excluded: Annotated[tuple[Exclusion, ...], msgspec.Meta(max_length=MAX_STAGES)] = ()

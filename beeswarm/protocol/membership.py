@@ -2,7 +2,7 @@
 to the coordinator answered with the view (`ids.MEMBERS`, request/response)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -17,6 +17,8 @@ MAX_LINKS = 512
 
 Role = Literal["contributor", "client"]
 State = Literal["joining", "idle", "loading", "serving", "paused", "leaving"]
+Quant = Literal["none", "int8", "nf4"]  # weight formats (shard.quant): the checkpoint's, int8 weight-only, NF4
+QUANT_FORMATS: tuple[str, ...] = get_args(Quant)
 Addr = Annotated[str, msgspec.Meta(max_length=300)]
 Short = Annotated[str, msgspec.Meta(max_length=64)]
 Link = tuple[float, float, float]  # (rtt ms, up Mbit/s, down Mbit/s) measured from the node to a peer
@@ -27,6 +29,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     addrs: Annotated[tuple[Addr, ...], msgspec.Meta(max_length=MAX_ADDRS)] = ()
     role: Role = "contributor"
     device: Short = "cpu"
+    quant: Quant = "none"  # the format of the weights it serves: a plan takes one format
     memory_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     # device benchmark figures for the planner (layer_ms_base, layer_ms_per_token, host_mem_bytes, offload_gbps)
     bench: Annotated[dict[Short, float | None], msgspec.Meta(max_length=16)] = {}

@@ -19,9 +19,9 @@ import psutil
 import torch
 
 from beeswarm.config import cache_dir
-from beeswarm.shard import checkpoint
+from beeswarm.shard import checkpoint, quant
 from beeswarm.shard.device import resolve_device, resolve_dtype
-from beeswarm.shard.families import family, kv_bytes_per_token_layer
+from beeswarm.shard.families import Rotary, family, kv_bytes_per_token_layer
 from beeswarm.shard.loader import load_config
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class BenchResult:
     model: str
     device: str
     dtype: str
+    quant: str
     num_layers: int
     hidden_size: int
     layer_bytes: int
@@ -46,11 +47,12 @@ class BenchResult:
     cached: bool = False
 
 
-def layer_bytes(config, dtype: torch.dtype) -> int:
+def layer_bytes(config, dtype: torch.dtype, weights: str = "none") -> int:
+    """Bytes of one decoder layer in compute `dtype`, its linear maps' weights in format `weights` (`shard.quant`):
+    the real layer class, so a MoE layer counts every expert."""
     with torch.device("meta"):
         layer = family(config).decoder_layer(config, layer_idx=0)
-    element = torch.empty((), dtype=dtype).element_size()
-    return sum(p.numel() for p in layer.parameters()) * element
+    return quant.weight_bytes(layer, dtype, weights)
 
 
 def host_available_bytes() -> int:
@@ -66,7 +68,7 @@ def _sync(device: torch.device) -> None:
 def _time_layer(layer, rotary, config, device, dtype, tokens: int, repeat: int) -> float:
     hidden = torch.randn(1, tokens, config.hidden_size, device=device, dtype=dtype)
     positions = torch.arange(tokens, device=device)[None]
-    rope = rotary(hidden, positions)
+    rope = rotary(hidden, positions)[0]
     times = []
     with torch.inference_mode():
         for i in range(repeat + 2):
@@ -93,23 +95,26 @@ def _offload_gbps(device: torch.device) -> float | None:
     return round(5 * src.numel() / (time.perf_counter() - t) / 1e9, 2)
 
 
-def _cache_key(config, device: torch.device, dtype: torch.dtype) -> str:
+def _cache_key(config, device: torch.device, dtype: torch.dtype, weights: str) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
-                                                    "num_attention_heads", "num_key_value_heads", "head_dim")}
-    text = json.dumps([shape, name, str(dtype), torch.__version__], sort_keys=True)
+                                                    "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                    "num_local_experts", "num_experts", "num_experts_per_tok",
+                                                    "moe_intermediate_size")}
+    text = json.dumps([shape, name, str(dtype), weights, torch.__version__], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def run(model: str = checkpoint.DEFAULT_MODEL, device="auto", dtype="auto", refresh: bool = False,
         repeat: int = 7, progress: Callable[[str], None] = lambda s: None,
-        on_step: Callable[[int, int], None] = lambda done, total: None) -> BenchResult:
-    """`progress` gets lines to show; `on_step(done, total)` counts the measurements (for a progress bar)."""
+        on_step: Callable[[int, int], None] = lambda done, total: None, weights: str = "none") -> BenchResult:
+    """`progress` gets lines to show; `on_step(done, total)` counts the measurements (for a progress bar);
+    `weights`: the format the layer is timed and counted in (`shard.quant`)."""
     folder = checkpoint.resolve_config(model)
     config = load_config(folder)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    cache_file = cache_dir() / "bench" / f"{_cache_key(config, dev, dt)}.json"
+    cache_file = cache_dir() / "bench" / f"{_cache_key(config, dev, dt, quant.check(weights))}.json"
     if cache_file.exists() and not refresh:
         try:
             cached = BenchResult(**{**json.loads(cache_file.read_text()), "cached": True, "model": model})
@@ -119,11 +124,11 @@ def run(model: str = checkpoint.DEFAULT_MODEL, device="auto", dtype="auto", refr
         except (ValueError, TypeError):
             log.warning("ignoring unreadable benchmark cache %s", cache_file)
     progress(f"benchmarking one {config.model_type} layer (hidden {config.hidden_size}) on {dev} in "
-             f"{str(dt).removeprefix('torch.')}")
+             f"{str(dt).removeprefix('torch.')}" + (f", {weights} weights" if weights != "none" else ""))
     torch.manual_seed(0)
     with torch.device(dev):
-        layer = family(config).decoder_layer(config, layer_idx=0).to(dtype=dt).eval()
-        rotary = family(config).rotary_embedding(config)
+        layer = quant.quantize_layer(family(config).decoder_layer(config, layer_idx=0).to(dtype=dt).eval(), weights)
+        rotary = Rotary(config, range(1), dev)
     points = []
     for i, tokens in enumerate(TOKEN_COUNTS):
         ms = _time_layer(layer, rotary, config, dev, dt, tokens, repeat)
@@ -133,8 +138,9 @@ def run(model: str = checkpoint.DEFAULT_MODEL, device="auto", dtype="auto", refr
     slope, intercept = statistics.linear_regression([p[0] for p in points], [p[1] for p in points])
     progress("measuring memory" + (" and host-to-device bandwidth" if dev.type == "cuda" else ""))
     result = BenchResult(
-        model=model, device=str(dev), dtype=str(dt).removeprefix("torch."), num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size, layer_bytes=layer_bytes(config, dt),
+        model=model, device=str(dev), dtype=str(dt).removeprefix("torch."), quant=weights,
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        layer_bytes=layer_bytes(config, dt, weights),
         kv_bytes_per_token_layer=kv_bytes_per_token_layer(config, dt),
         layer_ms_base=round(max(intercept, 1e-4), 5), layer_ms_per_token=round(max(slope, 0.0), 6),
         mem_bytes=0, host_mem_bytes=0, offload_gbps=_offload_gbps(dev))

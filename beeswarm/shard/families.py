@@ -2,31 +2,58 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from beeswarm.shard.errors import ShardError
 
-# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
-SUPPORTED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-             "gemma2": "Gemma2"}
+# model_type -> (module under transformers.models, class-name prefix)
+SUPPORTED = {"llama": ("llama", "Llama"), "mistral": ("mistral", "Mistral"), "qwen2": ("qwen2", "Qwen2"),
+             "qwen3": ("qwen3", "Qwen3"), "phi3": ("phi3", "Phi3"), "gemma2": ("gemma2", "Gemma2"),
+             "gemma3_text": ("gemma3", "Gemma3"), "mixtral": ("mixtral", "Mixtral"),
+             "qwen3_moe": ("qwen3_moe", "Qwen3Moe")}
 
 
 @dataclass(frozen=True)
 class Family:
     model_type: str
     decoder_layer: type
-    rotary_embedding: type
+    rotary_embedding: Any  # a torch module class
     rms_norm: type
+
+    @property
+    def rotary_per_layer_type(self) -> bool:
+        """Gemma 3 rotates local (sliding) and global layers with different bases: its rotary takes the type."""
+        return "layer_type" in inspect.signature(self.rotary_embedding.forward).parameters
 
 
 def family(config) -> Family:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
-        raise ShardError(f"architecture {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED))}")
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    prefix = SUPPORTED[model_type]
+        hint = " (the multimodal Gemma 3; its text-only checkpoints, gemma3_text, are)" \
+            if model_type == "gemma3" else ""
+        raise ShardError(f"architecture {model_type!r} is not supported{hint}; "
+                         f"supported: {', '.join(sorted(SUPPORTED))}")
+    name, prefix = SUPPORTED[model_type]
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     return Family(model_type, getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RotaryEmbedding"),
                   getattr(module, f"{prefix}RMSNorm"))
+
+
+class Rotary:
+    """The cos/sin tables of a run of layers: one per rotary kind, computed once per step and shared."""
+
+    def __init__(self, config, layers: range, device):
+        fam = family(config)
+        self.module = fam.rotary_embedding(config).to(device)
+        self.kinds = [config.layer_types[i] if fam.rotary_per_layer_type else None for i in layers]
+
+    def __call__(self, hidden, positions) -> list:
+        """Per layer, the (cos, sin) pair its attention takes."""
+        tables = {kind: self.module(hidden, positions, kind) if kind else self.module(hidden, positions)
+                  for kind in set(self.kinds)}
+        return [tables[kind] for kind in self.kinds]
 
 
 def embedding_scale(config) -> float:

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from beeswarm.shard.quant import tensor_bytes
+
 
 class OffloadedLayers:
     def __init__(self, host_layers: list[nn.Module], device: torch.device):
@@ -30,7 +32,7 @@ class OffloadedLayers:
 
     @property
     def host_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for layer in self.host for p in layer.parameters())
+        return sum(tensor_bytes(p) for layer in self.host for p in layer.parameters())
 
     def _load(self, j: int, buffer: nn.Module) -> None:
         src = self.host[j]

@@ -16,9 +16,10 @@ from beeswarm.protocol.spans import Span
 from beeswarm.shard import checkpoint, loader
 from beeswarm.shard.device import resolve_device, resolve_dtype
 from beeswarm.shard.errors import SessionError, ShardError
-from beeswarm.shard.families import family, head_dim, kv_bytes_per_token_layer, sliding_window
+from beeswarm.shard.families import Rotary, head_dim, kv_bytes_per_token_layer, sliding_window
 from beeswarm.shard.kvcache import SessionKV, StepCache
 from beeswarm.shard.offload import OffloadedLayers
+from beeswarm.shard.quant import check as check_quant
 
 log = logging.getLogger(__name__)
 
@@ -82,27 +83,28 @@ class SpanRuntime:
     """Layers [start, end) of a checkpoint, with per-session KV caches. Thread-safe."""
 
     def __init__(self, folder: Path, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0,
-                 on_layer: Callable[[int, int], None] = lambda done, total: None):
+                 on_layer: Callable[[int, int], None] = lambda done, total: None, quant: str = "none"):
         """`offload_fraction` a: the last ceil(a * layers) layers stay in host memory and stream in per pass;
-        `on_layer(done, total)` after each layer is built."""
+        `on_layer(done, total)` after each layer is built; `quant`: the weights' format (`shard.quant`)."""
         if not 0.0 <= offload_fraction <= 1.0:
             raise ShardError(f"offload_fraction {offload_fraction} is outside [0, 1]")
         self.folder = Path(folder)
         self.config = loader.load_config(self.folder)
         self.span = span
+        self.quant = check_quant(quant)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         offloaded = math.ceil(offload_fraction * len(span))
         resident_end = span.end - offloaded
         resident = resident_end - span.start
         self.layers: nn.ModuleList | list[nn.Module] = loader.build_layers(
-            self.folder, self.config, span.start, resident_end, self.dtype, self.device,
+            self.folder, self.config, span.start, resident_end, self.dtype, self.device, quant,
             lambda n: on_layer(n, len(span))) if resident else []
         host: nn.ModuleList | list[nn.Module] = loader.build_layers(
-            self.folder, self.config, resident_end, span.end, self.dtype, torch.device("cpu"),
+            self.folder, self.config, resident_end, span.end, self.dtype, torch.device("cpu"), quant,
             lambda n: on_layer(resident + n, len(span))) if offloaded else []
         self.offloaded = OffloadedLayers(list(host), self.device)
-        self.rotary = family(self.config).rotary_embedding(self.config).to(self.device)
+        self.rotary = Rotary(self.config, range(span.start, span.end), self.device)
         self.head_dim = head_dim(self.config)
         self.windows = [sliding_window(self.config, i) for i in range(span.start, span.end)]
         self.sessions: dict[str, SessionKV] = {}
@@ -111,10 +113,10 @@ class SpanRuntime:
     @classmethod
     def load(cls, ref: str, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0,
              on_bytes: checkpoint.OnBytes | None = None,
-             on_layer: Callable[[int, int], None] = lambda done, total: None) -> SpanRuntime:
+             on_layer: Callable[[int, int], None] = lambda done, total: None, quant: str = "none") -> SpanRuntime:
         """`on_bytes(file, done, total)` while a hub download runs; `on_layer(done, total)` while building."""
         folder = checkpoint.resolve(ref, checkpoint.Parts(span.start, span.end), on_bytes=on_bytes)
-        return cls(folder, span, dtype, device, offload_fraction, on_layer)
+        return cls(folder, span, dtype, device, offload_fraction, on_layer, quant)
 
     @property
     def hidden_size(self) -> int:
@@ -208,9 +210,10 @@ class SpanRuntime:
         cache = StepCache(sessions, [x.start for x in inputs], lengths, self.span.start)
         masks = {w: attention_mask(inputs, cache.kv_length, w, self.dtype, self.device) for w in set(self.windows)}
         rotary = self.rotary(hidden, positions)
-        for layer, window in zip(itertools.chain(self.layers, self.offloaded.layers()), self.windows, strict=True):
+        for layer, window, rope in zip(itertools.chain(self.layers, self.offloaded.layers()), self.windows, rotary,
+                                       strict=True):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions, cache=cache,
-                           position_embeddings=rotary)
+                           position_embeddings=rope)
         for kv, end in zip(sessions, cache.ends, strict=True):
             kv.length = end
         return [hidden[row, :q] for row, q in enumerate(lengths)]

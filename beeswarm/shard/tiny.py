@@ -26,14 +26,11 @@ def write_tiny_checkpoint(folder: Path, family: str = "llama", num_layers: int =
         raise ValueError(f"family {family!r}: expected one of {sorted(SUPPORTED)}")
     tokenizer = byte_tokenizer()
     vocab = vocab_size or tokenizer.get_vocab_size()
-    # Gemma 2 alternates sliding-window and global layers: a window of 8 makes the sliding ones matter
-    extra = {"sliding_window": 8, "head_dim": hidden_size // heads, "query_pre_attn_scalar": hidden_size // heads} \
-        if family == "gemma2" else {"sliding_window": None}
     config = AutoConfig.for_model(
         family, vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate_size, max_position_embeddings=max_positions,
         tie_word_embeddings=tie_word_embeddings, initializer_range=0.1, bos_token_id=0, eos_token_id=0,
-        pad_token_id=None, **extra)
+        pad_token_id=None, **_family_settings(family, num_layers, hidden_size // heads, intermediate_size))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if family == "qwen2":  # qwen2 has q/k/v biases, initialised to zero: make them matter
@@ -47,3 +44,20 @@ def write_tiny_checkpoint(folder: Path, family: str = "llama", num_layers: int =
     model.save_pretrained(str(folder), **kwargs)
     save_tokenizer(tokenizer, folder, model_max_length=max_positions)
     return folder
+
+
+def _family_settings(family: str, num_layers: int, head_dim: int, intermediate_size: int) -> dict:
+    """What makes each family's distinctive parts matter at tiny size."""
+    if family.startswith("gemma"):
+        # sliding-window and global layers alternate; a window of 8 makes the sliding ones matter (Gemma 3: with
+        # rotary bases of their own)
+        extra: dict[str, object] = {"sliding_window": 8, "head_dim": head_dim, "query_pre_attn_scalar": head_dim}
+        if family == "gemma3_text":
+            extra["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        return extra
+    if family == "mixtral":
+        return {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2}
+    if family == "qwen3_moe":
+        return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate_size // 2,
+                "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return {"sliding_window": None}
