@@ -25,8 +25,12 @@ class UserError(Exception):
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (default: sample)")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T")
-    p.add_argument("--top-p", type=float, default=0.95, metavar="P")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="default: the model's generation config, else 0.8")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="default: the model's, else 0.95")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="above 1 makes tokens already in the text less likely, greedy too (default: the model's, "
+                        "else 1: none)")
     p.add_argument("--seed", type=int, default=None, metavar="S")
 
 
@@ -105,11 +109,16 @@ def _speculation(args, entry):
         raise UserError(f"draft: {e}") from None
 
 
-def _sampling(args):
-    from beeswarm.decoding.sampling import SamplingParams
+def _sampling(args, entry):
+    """The flags, or where a flag is not given the model's generation config (e.g. tinycode's tuned values)."""
+    from beeswarm.decoding.sampling import ModelDefaults, SamplingParams
 
+    model = ModelDefaults.read(entry.folder)
+    pick = lambda *choices: next(c for c in choices if c is not None)  # noqa: E731
     try:
-        return SamplingParams(0.0 if args.greedy else args.temperature, 1.0 if args.greedy else args.top_p, args.seed)
+        return SamplingParams(0.0 if args.greedy else pick(args.temperature, model.temperature, 0.8),
+                              1.0 if args.greedy else pick(args.top_p, model.top_p, 0.95), args.seed,
+                              pick(args.repetition_penalty, model.repetition_penalty, 1.0))
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -310,7 +319,8 @@ def _chat_common(args):
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
-    return _sampling(args), EntryModel.load(args.model, args.dtype, args.device)
+    entry = EntryModel.load(args.model, args.dtype, args.device)
+    return _sampling(args, entry), entry
 
 
 def _encode_prompt(entry, args):

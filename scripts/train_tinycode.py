@@ -3,12 +3,12 @@
 
 Both models learn from the CPython standard-library sources of the running interpreter, which
 every machine has. Files whose name hashes to 0 mod 20 are held out for validation. The script is
-deterministic (fixed seeds, sorted files, one thread order) and takes about 20 minutes on 2 CPU
+deterministic (fixed seeds, sorted files, one thread order) and takes about 45 minutes on 2 CPU
 cores (fixed step counts, so the weights do not depend on the machine's speed). It writes Hugging
 Face folders (fp16 safetensors) under beeswarm/assets/tinycode/ and prints the validation loss of
 each model and the draft's greedy agreement with the target.
 
-    python scripts/train_tinycode.py [--out DIR] [--target-steps 1000] [--draft-steps 1500]
+    python scripts/train_tinycode.py [--out DIR] [--target-steps 4000] [--draft-steps 3000]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from beeswarm.shard.tokenizer import EOS, save_tokenizer, train_bpe
 
@@ -32,6 +32,9 @@ TARGET = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_k
               intermediate_size=704)
 DRAFT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
              intermediate_size=352)
+# The sampling defaults `beeswarm chat`/`demo`/`serve` take from the target's generation_config.json: chosen by
+# reading samples of held-out prompts (README, "The built-in model"); the penalty stops greedy loops.
+SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.2)
 
 
 def stdlib_files() -> tuple[list[Path], list[Path]]:
@@ -94,7 +97,8 @@ def train(name: str, shape: dict, data: torch.Tensor, steps: int, seed: int, lr:
             g["lr"] = lr * scale
         starts = torch.randint(0, len(data) - SEQ - 1, (batch,), generator=gen)
         x = torch.stack([data[s:s + SEQ + 1] for s in starts.tolist()])
-        loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # ~1.9x faster than float32 on this CPU
+            loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -119,8 +123,8 @@ def greedy_agreement(target, draft, data: torch.Tensor, samples: int = 64, ctx: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "beeswarm/assets/tinycode")
-    ap.add_argument("--target-steps", type=int, default=1000)
-    ap.add_argument("--draft-steps", type=int, default=1500)
+    ap.add_argument("--target-steps", type=int, default=4000)
+    ap.add_argument("--draft-steps", type=int, default=3000)
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.use_deterministic_algorithms(True)
@@ -143,6 +147,7 @@ def main() -> None:
     for name, model in (("target", target), ("draft", draft)):
         folder = args.out / name
         folder.mkdir(parents=True, exist_ok=True)
+        model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, **SAMPLING)
         model.half().save_pretrained(str(folder), safe_serialization=True)
         save_tokenizer(tok, folder, model_max_length=MAX_POSITIONS)
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from beeswarm.client.local import LocalPipeline
 from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams, probabilities
+from beeswarm.decoding.sampling import SamplingParams, penalize, probabilities
 from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftError, DraftModel
@@ -78,6 +78,26 @@ def test_greedy_speculation_equals_plain_greedy(tinycode, tuner):
     assert 0 < report.acceptance_by_depth[0] <= 1
 
 
+def test_a_repetition_penalty_is_transformers_own_in_plain_and_speculative_greedy(tinycode):
+    """Greedy tinycode loops; with a repetition penalty plain decoding equals transformers' generate with
+    the same penalty, token for token, and speculating (the draft penalised per node too) changes nothing."""
+    penalised = SamplingParams(repetition_penalty=1.3)
+    reference = AutoModelForCausalLM.from_pretrained(str(tinycode.entry.folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([PROMPT]), max_new_tokens=48, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0, repetition_penalty=1.3)[0, len(PROMPT):].tolist()
+    session = tinycode.open(200)
+    plain = generate(lambda t, s: tinycode.forward(session, t, s), PROMPT, 48, penalised)
+    unpenalised = generate(lambda t, s: tinycode.forward(session, t, s), PROMPT, 48, GREEDY)
+    tinycode.close(session)
+    assert plain.tokens == want != unpenalised.tokens
+    session = tinycode.open(280)
+    spec = speculative_generate(lambda t, s, m, k: tinycode.forward(session, t, s, m, k), draft(tinycode), PROMPT,
+                                48, penalised, Tuner(depth=3, width=2), max_length=280)
+    tinycode.close(session)
+    assert spec.tokens == want
+
+
 def test_draft_with_another_vocabulary_is_refused(tmp_path):
     other = write_tiny_checkpoint(tmp_path / "other", num_layers=1, vocab_size=100)
     with pytest.raises(DraftError, match="vocabulary of 100 tokens"):
@@ -108,6 +128,14 @@ def tiny_vocab_logits(tmp_path_factory):
     return tables
 
 
+CONTEXT = [1, 2]  # the tables' logits follow these tokens
+
+
+def target_logits(target, ctx: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
+    """The target's logits after `ctx`, penalised by the whole sequence as speculative_generate does."""
+    return penalize(target[ctx], CONTEXT + list(ctx), params.repetition_penalty)
+
+
 def two_tokens(target, draft_table, params, generator, verifier) -> tuple[int, int]:
     """Speculative rounds over looked-up logits until two tokens are committed."""
     ctx: tuple[int, ...] = ()
@@ -116,8 +144,9 @@ def two_tokens(target, draft_table, params, generator, verifier) -> tuple[int, i
             return ctx + tuple(tree.tokens[n] for n in tree.path(node)) if node != ROOT else ctx
 
         tree = grow_tree(draft_table[ctx], lambda t, nodes: torch.stack([draft_table[path(t, n)] for n in nodes]),
-                         ROUND_SHAPE, params, generator)
-        ctx += tuple(verifier(tree, lambda node: target[path(tree, node)], params, generator).tokens(tree))
+                         ROUND_SHAPE, params, generator, CONTEXT + list(ctx))
+        ctx += tuple(verifier(tree, lambda node: target_logits(target, path(tree, node), params), params,
+                              generator).tokens(tree))
     return ctx[0], ctx[1]
 
 
@@ -151,18 +180,21 @@ def verify_without_residual(tree, target_logits, params, generator=None) -> Verd
         verdict.path.append(node)
 
 
-@pytest.mark.parametrize("verifier,exact", [(verify, True), (verify_without_residual, False)],
-                         ids=["multi-candidate-rejection", "wrong-rule"])
-def test_speculative_sampling_leaves_the_target_distribution(tiny_vocab_logits, verifier, exact):
+@pytest.mark.parametrize("verifier,exact,penalty", [(verify, True, 1.0), (verify_without_residual, False, 1.0),
+                                                   (verify, True, 1.5)],
+                         ids=["multi-candidate-rejection", "wrong-rule", "repetition-penalty"])
+def test_speculative_sampling_leaves_the_target_distribution(tiny_vocab_logits, verifier, exact, penalty):
+    """The penalised case: the draft proposes from its own penalised distribution, each target node is
+    penalised by its own path, and two tokens still follow the penalised target exactly."""
     target, draft_table = tiny_vocab_logits
-    params = SamplingParams(temperature=0.9, top_p=0.9)
+    params = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=penalty)
     generator = torch.Generator().manual_seed(1)
     counts = torch.zeros(VOCAB * VOCAB)
     for _ in range(SAMPLES):
         a, b = two_tokens(target, draft_table, params, generator, verifier)
         counts[a * VOCAB + b] += 1
-    first = probabilities(target[()], params)
-    expected = torch.stack([first[a] * probabilities(target[(a,)], params)
+    first = probabilities(target_logits(target, (), params), params)
+    expected = torch.stack([first[a] * probabilities(target_logits(target, (a,), params), params)
                             for a in range(VOCAB)]).reshape(-1) * SAMPLES
     p = chi_square_p(counts, expected)
     assert (p > 0.01) if exact else (p < 0.01), f"chi-square p = {p:.3g}"

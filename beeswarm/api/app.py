@@ -147,7 +147,7 @@ class Api:
             else:
                 ids, param = text_prompt(tokenizer, body.prompt), "prompt"
             job = self.completer.job(ids, body.limit, body.temperature, body.top_p, body.seed, body.stops, param,
-                                     bool(body.ignore_eos))
+                                     bool(body.ignore_eos), body.repetition_penalty)
             self.admission.enter()
         except ApiError as e:
             return error_response(e)

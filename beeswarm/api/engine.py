@@ -16,7 +16,7 @@ from beeswarm.client.remote import Route, StageBusy, StageFailed
 from beeswarm.client.swarm import NoRoute, SwarmClient
 from beeswarm.client.textstream import TextStream, stop_ids
 from beeswarm.decoding.generate import EndGeneration
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.decoding.sampling import ModelDefaults, SamplingParams
 
 ROUTE_WAIT_S = 5.0  # how long a request waits for a route before a 503
 
@@ -94,17 +94,23 @@ class Completer:
     def __init__(self, client: SwarmClient, tokenizer: Any, model_id: str):
         self.client, self.tokenizer, self.model_id = client, tokenizer, model_id
         self.context = client.entry.config.max_position_embeddings
+        self.defaults = ModelDefaults.read(client.entry.folder)  # for the fields a request leaves out
 
     def job(self, prompt_ids: list[int], limit: int | None, temperature: float | None, top_p: float | None,
-            seed: int | None, stops: list[str], param: str, ignore_eos: bool = False) -> Job:
+            seed: int | None, stops: list[str], param: str, ignore_eos: bool = False,
+            repetition_penalty: float | None = None) -> Job:
+        """Fields left out take the model's generation config, else OpenAI's defaults (temperature and top_p 1)."""
         """A checked job: the prompt fits the context with room for at least one token."""
         room = self.context - len(prompt_ids)
         if room < 1 or limit is not None and limit > room:
             asked = f" + max_tokens {limit}" if limit is not None else ""
             raise ApiError(400, f"this model's context is {self.context} tokens; the prompt has {len(prompt_ids)}"
                                 f"{asked}", param, "context_length_exceeded")
-        t = 1.0 if temperature is None else temperature
-        params = SamplingParams(t, 1.0 if top_p is None or t == 0 else top_p, seed)
+        d = self.defaults
+        t = next(v for v in (temperature, d.temperature, 1.0) if v is not None)
+        p = next(v for v in (top_p, d.top_p, 1.0) if v is not None)
+        r = next(v for v in (repetition_penalty, d.repetition_penalty, 1.0) if v is not None)
+        params = SamplingParams(t, 1.0 if t == 0 else p, seed, r)
         return Job(prompt_ids, limit if limit is not None else room, params, stops, ignore_eos)
 
     def wait_for_route(self) -> None:

@@ -69,6 +69,7 @@ class Sampling(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None  # OpenAI's default: 1
     top_p: TopP | None = None
     seed: int | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None  # vLLM's extension (transformers')
     stop: Stop = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

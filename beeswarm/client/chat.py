@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from beeswarm.client.remote import Route
 from beeswarm.client.swarm import SwarmClient, SwarmGeneration
@@ -60,7 +60,7 @@ class ChatSession:
         self.client.speculate = on
 
     def set_temperature(self, temperature: float) -> None:
-        self.params = SamplingParams(temperature, self.params.top_p if temperature > 0 else 1.0, self.params.seed)
+        self.params = replace(self.params, temperature=temperature, top_p=self.params.top_p if temperature > 0 else 1.0)
 
     def reset(self) -> None:
         self.context, self.turns = [], []

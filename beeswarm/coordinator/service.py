@@ -289,7 +289,8 @@ class CoordinatorService:
             candidates = {p for p, info in self.members.view().items()
                           if info.role == "contributor" and info.quant == self.model.quant}
             with self._lock:
-                self.election.eligible = self.eligible and (not self.state.epoch or self.state.quant == self.model.quant)
+                same_format = not self.state.epoch or self.state.quant == self.model.quant
+                self.election.eligible = self.eligible and same_format
                 claim = self.election.tick(candidates)
             if claim is not None:
                 log.info("claimed coordinator lease, term %d", claim.term)

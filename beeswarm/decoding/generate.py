@@ -1,6 +1,7 @@
 """The generation loop over any forward function: prefill, then one token per step."""
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ def generate(forward: Forward, prompt_ids: list[int], max_new_tokens: int, param
     pending, start = torch.tensor(prompt_ids), 0
     while len(tokens) < max_new_tokens:
         logits = forward(pending, start)
-        token = sample(logits[-1], params, generator)
+        token = sample(logits[-1], params, generator, itertools.chain(prompt_ids, tokens))
         if not tokens:
             ttft = time.perf_counter() - t0
         tokens.append(token)

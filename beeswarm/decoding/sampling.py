@@ -1,28 +1,70 @@
-"""Token sampling: greedy, temperature and nucleus (top-p), as pure tensor functions."""
+"""Token sampling: repetition penalty, greedy, temperature and nucleus (top-p), as pure tensor functions."""
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_p 1 keeps the whole distribution."""
+    """temperature 0 means greedy (argmax); top_p 1 keeps the whole distribution; repetition_penalty 1 is none
+    (above 1 makes every token already in the sequence, prompt included, less likely: CTRL's penalty, applied
+    before the rest exactly as transformers' `repetition_penalty` does)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """What a model's generation_config.json asks sampling to use when the user does not say (None: it does not
+    say; the caller's own default applies)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def read(cls, folder: Path) -> ModelDefaults:
+        """From `folder`/generation_config.json (transformers' names); missing or unreadable: nothing said."""
+        try:
+            config = json.loads((Path(folder) / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            return cls()
+        if not isinstance(config, dict):
+            return cls()
+        picked = {k: float(v) for k in ("temperature", "top_p", "repetition_penalty")
+                  if isinstance(v := config.get(k), int | float) and v > 0}
+        return cls(**picked)
+
+
+def penalize(logits: torch.Tensor, seen: Iterable[int], penalty: float) -> torch.Tensor:
+    """`logits` (vocab,) with every token of `seen` penalised: a positive logit divided by `penalty`, a
+    negative one multiplied (transformers' RepetitionPenaltyLogitsProcessor)."""
+    ids = sorted(set(seen))
+    if penalty == 1.0 or not ids:
+        return logits
+    index = torch.tensor(ids, device=logits.device)
+    picked = logits.gather(-1, index)
+    return logits.scatter(-1, index, torch.where(picked < 0, picked * penalty, picked / penalty))
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -38,8 +80,10 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from a (vocab,) logits vector."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           seen: Iterable[int] = ()) -> int:
+    """One token id from a (vocab,) logits vector; `seen`: the sequence so far (for the repetition penalty)."""
+    logits = penalize(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(logits.argmax())
     return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

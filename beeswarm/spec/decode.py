@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from beeswarm.decoding.generate import Generation
-from beeswarm.decoding.sampling import SamplingParams, sample
+from beeswarm.decoding.sampling import SamplingParams, penalize, sample
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tree import ROOT
 from beeswarm.spec.tuner import MAX_TREE_NODES, CostMeter, TreeShape, Tuner
@@ -63,7 +63,7 @@ def speculative_generate(forward: TargetForward, draft: DraftModel, prompt_ids: 
         return True
 
     logits = forward(torch.tensor(prompt_ids), 0, None, None)
-    going = commit([sample(logits[-1], params, generator)]) if max_new_tokens > 0 else False
+    going = commit([sample(logits[-1], params, generator, prompt_ids)]) if max_new_tokens > 0 else False
     ttft = time.perf_counter() - t0
     draft.reset(len(prompt_ids) + max_new_tokens + MAX_TREE_NODES + 2)
     committed, length, pending, keep = list(prompt_ids) + tokens, len(prompt_ids), tokens[-1:], None
@@ -78,7 +78,10 @@ def speculative_generate(forward: TargetForward, draft: DraftModel, prompt_ids: 
         ids = torch.tensor(pending + tree.tokens)
         logits = forward(ids, length, tree.step_mask(len(pending)), keep)
         p = len(pending)
-        verdict = verify(tree, lambda node: logits[p - 1 if node == ROOT else p + node], params, generator)
+        # the target's distribution after each node: penalised by that node's own sequence (committed + its path)
+        verdict = verify(tree, lambda node: penalize(logits[p - 1 if node == ROOT else p + node],
+                                                     committed + tree.path_tokens(node), params.repetition_penalty),
+                         params, generator)
         for depth, candidate, ok in verdict.trials:
             tuner.stats.record(depth, candidate, ok)
         report.rounds += 1

@@ -82,4 +82,4 @@ class DraftModel:
 
         room = self.span.sessions[self.session].max_length - base
         shape = TreeShape(shape.widths, min(shape.max_nodes, max(1, room)), shape.min_path_prob)
-        return grow_tree(self.entry.logits(hidden[-1:])[0], level_logits, shape, params, generator)
+        return grow_tree(self.entry.logits(hidden[-1:])[0], level_logits, shape, params, generator, committed)

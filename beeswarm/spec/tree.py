@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.decoding.sampling import SamplingParams, probabilities
+from beeswarm.decoding.sampling import SamplingParams, penalize, probabilities
 from beeswarm.spec.tuner import TreeShape
 
 ROOT = -1
@@ -53,6 +53,10 @@ class DraftTree:
             node = self.parents[node]
         return out[::-1]
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from the root's child down to `node` (none for the root)."""
+        return [self.tokens[n] for n in self.path(node)]
+
     def ancestors(self) -> torch.Tensor:
         """(n, n) bool: [i, j] when j is i or one of its ancestors."""
         n = len(self.tokens)
@@ -78,8 +82,10 @@ LevelLogits = Callable[[DraftTree, list[int]], torch.Tensor]
 
 
 def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeShape, params: SamplingParams,
-              generator: torch.Generator | None = None) -> DraftTree:
-    """Grow a tree of `shape` from the draft's logits after the last committed token."""
+              generator: torch.Generator | None = None, seen: list[int] | None = None) -> DraftTree:
+    """Grow a tree of `shape` from the draft's logits after the last committed token; `seen`: the committed
+    sequence, for the repetition penalty (each node's proposal is penalised by its own sequence, as the
+    target's will be)."""
     tree = DraftTree()
     frontier = [(ROOT, root_logits, 1.0)]  # node, draft logits for its children, draft path probability
     for depth, width in enumerate(shape.widths, start=1):
@@ -90,7 +96,8 @@ def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeS
                 break
             if node != ROOT and path_prob < shape.min_path_prob:
                 continue
-            dist = draft_distribution(logits, params)
+            dist = draft_distribution(penalize(logits, (seen or []) + tree.path_tokens(node),
+                                               params.repetition_penalty), params)
             draws = min(width, room)
             if params.greedy:
                 candidates = dist.topk(draws).indices.tolist()
