@@ -9,12 +9,15 @@ Sections (all by default):
   holds out): bits per byte, and greedy agreement with full precision (teacher-forced, every position),
   for none, int8 and nf4 weights (every decoder layer quantized by `shard.quant`, as stages load them).
 - speed: `beeswarm bench`'s per-layer figures (`layer_ms_base`, `layer_ms_per_token`, bytes) per format.
+- larger: the quality section on a wider checkpoint made here (`LARGER`: 512 wide, 6 layers, 19M
+  parameters, tinycode's tokenizer and data, `--larger-steps` steps; cached under the cache dir).
 
-    python benchmarks/quant_bench.py [--sections libraries quality speed] [--json]
+    python benchmarks/quant_bench.py [--sections libraries quality speed larger] [--json]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
@@ -31,10 +34,15 @@ from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from beeswarm.config import cache_dir
 from beeswarm.shard import benchmark, checkpoint, quant
+from beeswarm.shard.tokenizer import save_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from train_tinycode import read, stdlib_files  # noqa: E402 - the held-out split tinycode was trained beside
+from train_tinycode import read, stdlib_files, token_stream, train  # noqa: E402 - tinycode's split and loop
+
+LARGER = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=1408)
 
 FORMATS = ("none", "int8", "nf4")
 
@@ -153,6 +161,20 @@ def quality(model: str, windows: int, seq: int) -> dict:
     return {"model": model, "tokens_scored": int(batch[:, 1:].numel()), "bytes_scored": scored_bytes, **out}
 
 
+def larger_checkpoint(steps: int) -> Path:
+    """A checkpoint wider than tinycode, trained here on tinycode's data (made once, then cached)."""
+    folder = cache_dir() / "bench" / f"larger-{steps}"
+    if (folder / "config.json").exists():
+        return folder
+    tok = Tokenizer.from_file(str(checkpoint.resolve("tinycode") / "tokenizer.json"))
+    train_files, _ = stdlib_files()
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout is the JSON
+        model = train("larger", LARGER, token_stream(tok, train_files), steps, seed=3, lr=1.5e-3, batch=16)
+    model.save_pretrained(str(folder))
+    save_tokenizer(tok, folder, model_max_length=model.config.max_position_embeddings)
+    return folder
+
+
 def speed(model: str) -> dict:
     out = {}
     for weights in FORMATS:
@@ -165,8 +187,9 @@ def speed(model: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="+", default=["libraries", "quality", "speed"],
-                    choices=["libraries", "quality", "speed"])
+    ap.add_argument("--sections", nargs="+", default=["libraries", "quality", "speed", "larger"],
+                    choices=["libraries", "quality", "speed", "larger"])
+    ap.add_argument("--larger-steps", type=int, default=200, help="larger: training steps (batch 16 x 256)")
     ap.add_argument("--model", default="tinycode")
     ap.add_argument("--windows", type=int, default=128, help="quality: held-out windows scored")
     ap.add_argument("--seq", type=int, default=256, help="quality: tokens per window")
@@ -180,6 +203,8 @@ def main() -> None:
         results["quality"] = quality(args.model, args.windows, args.seq)
     if "speed" in args.sections:
         results["speed"] = speed(args.model)
+    if "larger" in args.sections:
+        results["larger"] = quality(str(larger_checkpoint(args.larger_steps)), args.windows, args.seq)
     print(json.dumps(results, indent=None if args.json else 2))
 
 

@@ -3,12 +3,12 @@
 
 Both models learn from the CPython standard-library sources of the running interpreter, which
 every machine has. Files whose name hashes to 0 mod 20 are held out for validation. The script is
-deterministic (fixed seeds, sorted files, one thread order) and takes about 45 minutes on 2 CPU
+deterministic (fixed seeds, sorted files, one thread order) and takes about 50 minutes on 2 CPU
 cores (fixed step counts, so the weights do not depend on the machine's speed). It writes Hugging
 Face folders (fp16 safetensors) under beeswarm/assets/tinycode/ and prints the validation loss of
 each model and the draft's greedy agreement with the target.
 
-    python scripts/train_tinycode.py [--out DIR] [--target-steps 4000] [--draft-steps 3000]
+    python scripts/train_tinycode.py [--out DIR] [--target-steps 2500] [--draft-steps 2000]
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ DRAFT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_ke
              intermediate_size=352)
 # The sampling defaults `beeswarm chat`/`demo`/`serve` take from the target's generation_config.json: chosen by
 # reading samples of held-out prompts (README, "The built-in model"); the penalty stops greedy loops.
-SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.2)
+SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.9, repetition_penalty=1.3)
 
 
 def stdlib_files() -> tuple[list[Path], list[Path]]:
@@ -123,8 +123,8 @@ def greedy_agreement(target, draft, data: torch.Tensor, samples: int = 64, ctx: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "beeswarm/assets/tinycode")
-    ap.add_argument("--target-steps", type=int, default=4000)
-    ap.add_argument("--draft-steps", type=int, default=3000)
+    ap.add_argument("--target-steps", type=int, default=2500)
+    ap.add_argument("--draft-steps", type=int, default=2000)
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.use_deterministic_algorithms(True)

@@ -44,15 +44,16 @@ def threads_left(before: set, timeout: float = 15.0) -> list[str]:
     return left()
 
 
-def reference_greedy(folder, prompt_ids: list[int], n: int) -> list[int]:
-    """transformers' own greedy continuation of `prompt_ids` on the checkpoint in `folder` (the oracle)."""
+def reference_greedy(folder, prompt_ids: list[int], n: int, **options) -> list[int]:
+    """transformers' own greedy continuation of `prompt_ids` on the checkpoint in `folder` (the oracle);
+    `options`: more of `generate`'s (repetition_penalty)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+                             pad_token_id=0, **options)
     return out[0, len(prompt_ids):].tolist()
 
 

@@ -31,20 +31,22 @@ class Served:
         self.client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
         self.http = httpx.Client(base_url=url.removesuffix("/v1"), timeout=120,
                                  headers={"Authorization": f"Bearer {KEY}"})
-        self._references: dict[tuple[str, int], str] = {}
+        self._references: dict[tuple[str, int, float], str] = {}
 
     def health(self) -> dict:
         return self.http.get("/health").json()
 
-    def reference(self, prompt: str, n: int) -> str:
+    def reference(self, prompt: str, n: int, repetition_penalty: float = 1.0) -> str:
         """transformers' greedy text for `prompt` (what `chat --greedy` returns), ended at EOS as serving does."""
-        if (prompt, n) not in self._references:
-            tokens = reference_greedy(self.model, self.tokenizer.encode(prompt), n)
+        key = (prompt, n, repetition_penalty)
+        if key not in self._references:
+            tokens = reference_greedy(self.model, self.tokenizer.encode(prompt), n,
+                                      repetition_penalty=repetition_penalty)
             eos = self.tokenizer.eos_token_id
             if eos in tokens:
                 tokens = tokens[:tokens.index(eos) + 1]
-            self._references[prompt, n] = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return self._references[prompt, n]
+            self._references[key] = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self._references[key]
 
 
 def serve(model: str, join: str, env: dict, log, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -102,6 +104,10 @@ def test_chat_and_legacy_completions_return_what_greedy_chat_returns(served):
     streamed = "".join(c.choices[0].text for c in served.client.completions.create(
         model=served.model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
     assert streamed == expected
+
+    penalised = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                 extra_body={"repetition_penalty": 1.5})
+    assert penalised.choices[0].text == served.reference(PROMPT, 12, repetition_penalty=1.5) != expected
 
     models = served.client.models.list().data
     assert [(m.id, m.owned_by) for m in models] == [(served.model, "beeswarm")]

@@ -1,6 +1,7 @@
 """`beeswarm demo` end to end: a real process, real checkpoints, output a user can check."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -12,8 +13,9 @@ from transformers import AutoTokenizer
 
 from beeswarm.client.local import LocalPipeline
 from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams, probabilities
+from beeswarm.decoding.sampling import ModelDefaults, SamplingParams, probabilities
 from beeswarm.protocol.spans import even_splits
+from beeswarm.shard import checkpoint
 from helpers import alive, in_terminal, reference_greedy, wait_for
 
 
@@ -48,6 +50,16 @@ def test_seeded_sampling_repeats_and_top_p_cuts_the_tail():
         SamplingParams(temperature=1.0, top_p=0)
 
 
+def test_sampling_defaults_come_from_the_models_generation_config(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.2, "eos_token_id": 0}))
+    assert ModelDefaults.read(tmp_path) == ModelDefaults(0.6, 0.9, 1.2)
+    (tmp_path / "generation_config.json").write_text('{"temperature": "hot", "top_p": null')
+    assert ModelDefaults.read(tmp_path) == ModelDefaults()  # unreadable: nothing said, the caller's defaults
+    shipped = ModelDefaults.read(checkpoint.BUILTIN["tinycode"])
+    assert shipped.temperature and shipped.repetition_penalty and shipped.repetition_penalty > 1  # no greedy loops
+
+
 def test_demo_json_on_a_tiny_model(tiny_llama):
     out = beeswarm("demo", "--model", str(tiny_llama), "--prompt", "def f(x):", "--max-new-tokens", "12",
                    "--greedy", "--json")
@@ -57,17 +69,18 @@ def test_demo_json_on_a_tiny_model(tiny_llama):
     assert result["new_tokens"] == len(result["tokens"]) == 12
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
     assert result["text"] == tokenizer.decode(result["tokens"], skip_special_tokens=True)
-    again = json.loads(beeswarm("demo", "--model", str(tiny_llama), "--prompt", "def f(x):",
-                                "--max-new-tokens", "12", "--greedy", "--json").stdout)
-    assert again["tokens"] == result["tokens"]
+    assert result["tokens"] == reference_greedy(tiny_llama, tokenizer.encode("def f(x):"), 12)
 
 
 def test_demo_errors_are_one_line_without_traceback(tiny_llama):
-    for args, message in [(["--model", "no-such-model", "--prompt", "x"], "not a built-in name"),
-                          (["--model", str(tiny_llama), "--prompt", "x", "--max-new-tokens", "100000"], "context"),
-                          (["--model", str(tiny_llama)], "--prompt"),
-                          (["--model", str(tiny_llama), "--prompt", "x", "--temperature", "-1"], "temperature")]:
-        out = beeswarm("demo", *args)
+    cases = [(["--model", "no-such-model", "--prompt", "x"], "not a built-in name"),
+             (["--model", str(tiny_llama), "--prompt", "x", "--max-new-tokens", "100000"], "context"),
+             (["--model", str(tiny_llama)], "--prompt"),
+             (["--model", str(tiny_llama), "--prompt", "x", "--temperature", "-1"], "temperature"),
+             (["--model", str(tiny_llama), "--prompt", "x", "--repetition-penalty", "0"], "repetition_penalty")]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:  # each is a process of its own
+        outs = list(pool.map(lambda case: beeswarm("demo", *case[0]), cases))
+    for (_, message), out in zip(cases, outs, strict=True):
         assert out.returncode == 2, out.stderr
         assert message in out.stderr and "Traceback" not in out.stderr
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from beeswarm.shard import EntryModel, SessionError, ShardError, Span, SpanRuntime, StepInput, checkpoint
+from beeswarm.shard import EntryModel, SessionError, ShardError, Span, SpanRuntime, StepInput, benchmark, checkpoint
 from beeswarm.shard.families import SUPPORTED
 from beeswarm.shard.tiny import write_tiny_checkpoint
 
@@ -147,6 +147,9 @@ def test_loading_two_of_eight_layers_reads_only_their_tensors(tiny_models, famil
     assert len(runtime.layers) == 2
     assert read and {int(name.split(".")[2]) for name in read} == {2, 3}
     assert all(name.startswith(("model.layers.2.", "model.layers.3.")) for name in read)
+    # what the planner counts per layer is what a loaded layer holds (a MoE layer: every expert)
+    held = sum(p.numel() * p.element_size() for p in runtime.layers[0].parameters())
+    assert held == benchmark.layer_bytes(runtime.config, torch.float32)
 
 
 def test_span_out_of_range_and_missing_tensors_are_named(tiny_llama, tmp_path):

@@ -112,31 +112,37 @@ def test_generation_survives_a_killed_stage(tiny_llama, env, tmp_path):
             p.wait()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"])
-def test_newer_families_through_a_three_process_swarm_equal_transformers(tiny_models, family, env, tmp_path):
-    """Each family added after the first three: `swarm --local 3`, then greedy generations plain and speculating
-    with a random draft of the same vocabulary, token for token transformers' `generate`."""
-    model = tiny_models[family]
-    swarm = subprocess.Popen([sys.executable, "-m", "beeswarm", "swarm", "--local", "3", "--model", str(model)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+@pytest.mark.parametrize("families", [("qwen3", "phi3"), ("gemma2", "gemma3_text"), ("mixtral", "qwen3_moe")],
+                         ids="+".join)
+def test_newer_families_through_a_three_process_swarm_equal_transformers(tiny_models, families, env, tmp_path):
+    """Each family added after the first three: `swarm --local 3` (two families' swarms at once, to share the
+    waiting), then greedy generations plain and speculating with a random draft of the same vocabulary, token for
+    token transformers' `generate`."""
+    swarms = {family: subprocess.Popen([sys.executable, "-m", "beeswarm", "swarm", "--local", "3", "--model",
+                                        str(tiny_models[family])], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True, env=env) for family in families}
+    draft = str(write_tiny_checkpoint(tmp_path / "draft", num_layers=1, seed=5))  # llama, the same 257 tokens
+    prompt = [3, 14, 15, 92, 65]
     try:
-        _, seen = read_until(lines_of(swarm), "ready", 120)
-        boot = next(line.split()[1] for line in seen if line.startswith("bootstrap "))
-        assert sum(line.startswith("contributor ") for line in seen) == 3
-        prompt = [3, 14, 15, 92, 65]
-        expected = reference_greedy(model, prompt, 12)
-        entry = EntryModel(model, dtype="float32", device="cpu")
-        draft = DraftModel(str(write_tiny_checkpoint(tmp_path / "draft", num_layers=1, seed=5)),  # llama, 257 tokens
-                           entry.config.vocab_size)
-        client = SwarmClient.create(entry, [boot], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"], draft=draft).start()
-        try:
-            for speculate in (False, True):
-                client.speculate = speculate
-                out = client.generate(prompt, 12, SamplingParams(), route_timeout=90)
-                assert out.generation.tokens == expected, speculate
-                assert (out.spec is not None) == speculate
-        finally:
-            client.close()
+        for family, swarm in swarms.items():
+            model = tiny_models[family]
+            _, seen = read_until(lines_of(swarm), "ready", 120)
+            boot = next(line.split()[1] for line in seen if line.startswith("bootstrap "))
+            assert sum(line.startswith("contributor ") for line in seen) == 3
+            expected = reference_greedy(model, prompt, 12)
+            entry = EntryModel(model, dtype="float32", device="cpu")
+            client = SwarmClient.create(entry, [boot], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"],
+                                        draft=DraftModel(draft, entry.config.vocab_size)).start()
+            try:
+                for speculate in (False, True):
+                    client.speculate = speculate
+                    out = client.generate(prompt, 12, SamplingParams(), route_timeout=90)
+                    assert out.generation.tokens == expected, (family, speculate)
+                    assert (out.spec is not None) == speculate
+            finally:
+                client.close()
     finally:
-        swarm.send_signal(signal.SIGTERM)
-        swarm.wait(30)
+        for swarm in swarms.values():
+            swarm.send_signal(signal.SIGTERM)
+        for swarm in swarms.values():
+            swarm.wait(30)

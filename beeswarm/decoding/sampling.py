@@ -59,8 +59,10 @@ class ModelDefaults:
 def penalize(logits: torch.Tensor, seen: Iterable[int], penalty: float) -> torch.Tensor:
     """`logits` (vocab,) with every token of `seen` penalised: a positive logit divided by `penalty`, a
     negative one multiplied (transformers' RepetitionPenaltyLogitsProcessor)."""
+    if penalty == 1.0:
+        return logits
     ids = sorted(set(seen))
-    if penalty == 1.0 or not ids:
+    if not ids:
         return logits
     index = torch.tensor(ids, device=logits.device)
     picked = logits.gather(-1, index)

@@ -78,10 +78,14 @@ def speculative_generate(forward: TargetForward, draft: DraftModel, prompt_ids: 
         ids = torch.tensor(pending + tree.tokens)
         logits = forward(ids, length, tree.step_mask(len(pending)), keep)
         p = len(pending)
-        # the target's distribution after each node: penalised by that node's own sequence (committed + its path)
-        verdict = verify(tree, lambda node: penalize(logits[p - 1 if node == ROOT else p + node],
-                                                     committed + tree.path_tokens(node), params.repetition_penalty),
-                         params, generator)
+        def target_logits(node: int) -> torch.Tensor:
+            """The target's logits after `node`, penalised by that node's own sequence (committed + its path)."""
+            row = logits[p - 1 if node == ROOT else p + node]
+            if params.repetition_penalty == 1.0:
+                return row
+            return penalize(row, committed + tree.path_tokens(node), params.repetition_penalty)
+
+        verdict = verify(tree, target_logits, params, generator)
         for depth, candidate, ok in verdict.trials:
             tuner.stats.record(depth, candidate, ok)
         report.rounds += 1

@@ -96,8 +96,9 @@ def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeS
                 break
             if node != ROOT and path_prob < shape.min_path_prob:
                 continue
-            dist = draft_distribution(penalize(logits, (seen or []) + tree.path_tokens(node),
-                                               params.repetition_penalty), params)
+            if params.repetition_penalty != 1.0:
+                logits = penalize(logits, (seen or []) + tree.path_tokens(node), params.repetition_penalty)
+            dist = draft_distribution(logits, params)
             draws = min(width, room)
             if params.greedy:
                 candidates = dist.topk(draws).indices.tolist()
