@@ -73,6 +73,29 @@ def test_layer_bytes_are_what_a_loaded_quantized_layer_holds(model, weights):
     assert counted < full * (0.28 if weights == "int8" else 0.15)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_experts_are_quantized_with_the_rest_and_counted(family, tmp_path):
+    """The fused 3-D expert tensors are split per expert and quantized like every linear map: the chain (its
+    second span half offloaded) equals the model quantized whole, and holds what the planner counts."""
+    folder = write_tiny_checkpoint(tmp_path / family, family, num_layers=4, hidden_size=128, heads=4, kv_heads=4,
+                                   intermediate_size=256, seed=3)
+    entry = EntryModel(folder, dtype="float32", device="cpu")
+    spans = [SpanRuntime(folder, Span(a, b), dtype="float32", device="cpu", quant="int8",
+                         offload_fraction=0.5 if a else 0.0) for a, b in ((0, 2), (2, 4))]
+    tokens = torch.tensor([5, 17, 99, 3, 200, 42, 7, 80])
+    hidden = entry.embed(tokens)
+    for span in spans:
+        span.open("s", 16)
+        hidden = span.step_one("s", hidden, 0)
+    with torch.no_grad():
+        want = quantized_reference(folder, "int8")(tokens[None]).logits[0]
+    torch.testing.assert_close(entry.logits(hidden), want, atol=1e-4, rtol=0)
+    held = sum(quant.tensor_bytes(p) for p in spans[0].layers[0].parameters())
+    counted = benchmark.layer_bytes(spans[0].config, torch.float32, "int8")
+    assert abs(held - counted) / held < 0.02
+    assert counted < 0.28 * benchmark.layer_bytes(spans[0].config, torch.float32)  # the experts shrank too
+
+
 def test_a_contributor_with_half_the_memory_takes_about_as_many_layers_at_int8():
     """bfloat16 weights (the CUDA default) to int8: half the bytes, so twice the layers in the same memory."""
     def layers_held(weights: str, mem: int) -> int:

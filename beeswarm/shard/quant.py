@@ -4,8 +4,9 @@ torchao (pytorch/ao) was chosen by measuring on this project's CPU against optim
 (BENCHMARKS.md "Quantized weights"): it is maintained beside torch, does int8 weight-only with per-channel
 scales on CPU and CUDA, and NF4 as a tensor type that runs anywhere (on CPU it dequantizes every call: fine
 for tests, slow to serve). A layer is quantized as it is loaded, one at a time, so the full-precision span is
-never held. Every nn.Linear of a decoder layer is quantized; norms, biases and MoE experts stored as 3-D
-tensors keep the checkpoint's precision (counted so in `layer_bytes`).
+never held. Every linear map of a decoder layer is quantized, MoE experts included (their fused 3-D tensors
+are split into one nn.Linear pair per expert first: `experts.UnfusedExperts`); norms and biases keep the
+checkpoint's precision (counted so in `layer_bytes`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from beeswarm.protocol.membership import QUANT_FORMATS
+from beeswarm.shard import experts
 from beeswarm.shard.errors import ShardError
 
 FORMATS = QUANT_FORMATS
@@ -30,6 +32,7 @@ def quantize_layer(layer: nn.Module, quant: str) -> nn.Module:
     """Replace the weights of `layer`'s linear maps with `quant` ones, in place (on the layer's device)."""
     if check(quant) == "none":
         return layer
+    experts.unfuse(layer)
     if quant == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
@@ -53,8 +56,11 @@ def _linears(layer: nn.Module, quant: str) -> list[nn.Linear]:
 
 
 def weight_bytes(layer: nn.Module, dtype: torch.dtype, quant: str) -> int:
-    """Bytes `layer` (built on the meta device in full precision, compute `dtype`) takes once loaded in `quant`."""
-    changed = _linears(layer, check(quant))
+    """Bytes `layer` (built on the meta device in full precision, compute `dtype`) takes once loaded in `quant`
+    (its experts are unfused on the way, as loading does)."""
+    if check(quant) != "none":
+        experts.unfuse(layer)
+    changed = _linears(layer, quant)
     linear = sum(m.weight.numel() for m in changed)
     rest = (sum(p.numel() for p in layer.parameters()) - linear) * dtype.itemsize
     if quant == "int8":  # one byte a weight, one float32 scale per output row
