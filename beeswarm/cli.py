@@ -111,14 +111,11 @@ def _speculation(args, entry):
 
 def _sampling(args, entry):
     """The flags, or where a flag is not given the model's generation config (e.g. tinycode's tuned values)."""
-    from beeswarm.decoding.sampling import ModelDefaults, SamplingParams
+    from beeswarm.decoding.sampling import ModelDefaults
 
-    model = ModelDefaults.read(entry.folder)
-    pick = lambda *choices: next(c for c in choices if c is not None)  # noqa: E731
     try:
-        return SamplingParams(0.0 if args.greedy else pick(args.temperature, model.temperature, 0.8),
-                              1.0 if args.greedy else pick(args.top_p, model.top_p, 0.95), args.seed,
-                              pick(args.repetition_penalty, model.repetition_penalty, 1.0))
+        return ModelDefaults.read(entry.folder).sampling(0.0 if args.greedy else args.temperature, args.top_p,
+                                                         args.repetition_penalty, args.seed, fallback=(0.8, 0.95))
     except ValueError as e:
         raise UserError(str(e)) from None
 

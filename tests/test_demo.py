@@ -56,6 +56,12 @@ def test_sampling_defaults_come_from_the_models_generation_config(tmp_path):
     assert ModelDefaults.read(tmp_path) == ModelDefaults(0.6, 0.9, 1.2)
     (tmp_path / "generation_config.json").write_text('{"temperature": "hot", "top_p": null')
     assert ModelDefaults.read(tmp_path) == ModelDefaults()  # unreadable: nothing said, the caller's defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6,
+                                                                 "top_p": 1.5, "repetition_penalty": 1.1}))
+    assert ModelDefaults.read(tmp_path) == ModelDefaults(repetition_penalty=1.1)  # greedy by config; top_p > 1 is no
+    params = ModelDefaults(0.6, 0.9, 1.2).sampling(None, None, None, 7, fallback=(1.0, 1.0))
+    assert params == SamplingParams(0.6, 0.9, 7, 1.2)
+    assert ModelDefaults(0.6, 0.9).sampling(0.0, None, None, None, fallback=(1.0, 1.0)).top_p == 1.0  # greedy
     shipped = ModelDefaults.read(checkpoint.BUILTIN["tinycode"])
     assert shipped.temperature and shipped.repetition_penalty and shipped.repetition_penalty > 1  # no greedy loops
 

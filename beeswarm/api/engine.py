@@ -99,18 +99,14 @@ class Completer:
     def job(self, prompt_ids: list[int], limit: int | None, temperature: float | None, top_p: float | None,
             seed: int | None, stops: list[str], param: str, ignore_eos: bool = False,
             repetition_penalty: float | None = None) -> Job:
-        """Fields left out take the model's generation config, else OpenAI's defaults (temperature and top_p 1)."""
-        """A checked job: the prompt fits the context with room for at least one token."""
+        """A checked job: the prompt fits the context with room for at least one token. Sampling fields left out
+        take the model's generation config, else OpenAI's defaults (temperature and top_p 1)."""
         room = self.context - len(prompt_ids)
         if room < 1 or limit is not None and limit > room:
             asked = f" + max_tokens {limit}" if limit is not None else ""
             raise ApiError(400, f"this model's context is {self.context} tokens; the prompt has {len(prompt_ids)}"
                                 f"{asked}", param, "context_length_exceeded")
-        d = self.defaults
-        t = next(v for v in (temperature, d.temperature, 1.0) if v is not None)
-        p = next(v for v in (top_p, d.top_p, 1.0) if v is not None)
-        r = next(v for v in (repetition_penalty, d.repetition_penalty, 1.0) if v is not None)
-        params = SamplingParams(t, 1.0 if t == 0 else p, seed, r)
+        params = self.defaults.sampling(temperature, top_p, repetition_penalty, seed, fallback=(1.0, 1.0))
         return Job(prompt_ids, limit if limit is not None else room, params, stops, ignore_eos)
 
     def wait_for_route(self) -> None:

@@ -86,6 +86,16 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
     return Cluster(model, workload, Entry("entry", entry_rtt, DEFAULT_LINK[1], DEFAULT_LINK[2]), tuple(nodes))
 
 
+OTHER_FORMAT_SHOWN = 32  # a plan names at most this many (it holds MAX_STAGES exclusions in all)
+
+
+def other_format(members: dict[str, NodeInfo], quant: str) -> tuple[Exclusion, ...]:
+    """Contributors serving weights in another format than `quant`: left out of plans, and told why."""
+    return tuple(Exclusion(peer, f"serves {info.quant[:16]} weights; this swarm serves {quant}")
+                 for peer, info in sorted(members.items())
+                 if info.role == "contributor" and info.quant != quant)[:OTHER_FORMAT_SHOWN]
+
+
 def pipelines_tokens_per_s(cluster: Cluster, pipelines: tuple[Pipeline, ...]) -> float | None:
     """Tokens/s of `pipelines` priced on `cluster` (None if a node is gone or its span no longer fits)."""
     nodes = {n.id for n in cluster.nodes}
@@ -142,7 +152,8 @@ class CoordinatorService:
         self._last_beat = 0.0
         self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
         self._republish_at = 0.0
-        self._planned_input: tuple[Cluster, int, int, frozenset[str]] | None = None  # what the last planning ran on
+        # what the last planning ran on
+        self._planned_input: tuple[Cluster, int, int, frozenset[str], tuple[Exclusion, ...]] | None = None
         self._behind: int | None = None  # the term of the last lease beat whose epoch this node lacked
         self.pulled_plans = 0
 
@@ -289,7 +300,10 @@ class CoordinatorService:
             candidates = {p for p, info in self.members.view().items()
                           if info.role == "contributor" and info.quant == self.model.quant}
             with self._lock:
-                same_format = not self.state.epoch or self.state.quant == self.model.quant
+                # (unless nobody serves the plan's format any more: then the swarm needs a leader of another)
+                same_format = not self.state.epoch or self.state.quant == self.model.quant or not any(
+                    info.quant == self.state.quant for info in self.members.view().values()
+                    if info.role == "contributor")
                 self.election.eligible = self.eligible and same_format
                 claim = self.election.tick(candidates)
             if claim is not None:
@@ -326,7 +340,8 @@ class CoordinatorService:
         view = {peer: info for peer, info in {**self.members.view(), self.node.peer_id: self.members.info}.items()
                 if peer not in sentenced}
         cluster = cluster_from_members(view, self.model, self.workload)
-        given = lambda: (cluster, self.state.term, self.state.epoch, frozenset(sentenced))  # noqa: E731
+        others = other_format(view, self.model.quant)  # not in the cluster, named in the plan: a change counts
+        given = lambda: (cluster, self.state.term, self.state.epoch, frozenset(sentenced), others)  # noqa: E731
         if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
             return  # nothing the plan depends on changed
         try:
@@ -342,11 +357,8 @@ class CoordinatorService:
             return
         active, target = next_assignment(cluster, result.pipelines, result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
-        other_format = tuple(Exclusion(peer, f"serves {info.quant} weights; this swarm serves {self.model.quant}")
-                             for peer, info in sorted(view.items())
-                             if info.role == "contributor" and info.quant != self.model.quant)
         with self._lock:
-            excluded = result.excluded + other_format + tuple(self.sentences.values())
+            excluded = result.excluded + other_format(view, self.model.quant) + tuple(self.sentences.values())
         if (active, target, excluded) == (self.state.active, self.state.target, self.state.excluded) and \
                 self.state.coordinator == self.node.peer_id:
             return  # the same assignments: no new epoch (newcomers get the current plan re-sent)

@@ -51,9 +51,21 @@ class ModelDefaults:
             return cls()
         if not isinstance(config, dict):
             return cls()
-        picked = {k: float(v) for k in ("temperature", "top_p", "repetition_penalty")
-                  if isinstance(v := config.get(k), int | float) and v > 0}
-        return cls(**picked)
+        valid = {"temperature": lambda v: 0 <= v <= 100, "top_p": lambda v: 0 < v <= 1,
+                 "repetition_penalty": lambda v: 0 < v <= 100}
+        if config.get("do_sample") is False:  # transformers decodes greedily then: its temperature means nothing
+            del valid["temperature"], valid["top_p"]
+        return cls(**{k: float(v) for k, ok in valid.items()
+                      if isinstance(v := config.get(k), int | float) and not isinstance(v, bool) and ok(v)})
+
+    def sampling(self, temperature: float | None, top_p: float | None, repetition_penalty: float | None,
+                 seed: int | None, fallback: tuple[float, float]) -> SamplingParams:
+        """What is given, else this model's, else `fallback` (temperature, top_p; no penalty); top_p is 1 when
+        greedy. Raises ValueError for values out of range."""
+        t = next(v for v in (temperature, self.temperature, fallback[0]) if v is not None)
+        p = next(v for v in (top_p, self.top_p, fallback[1]) if v is not None)
+        r = next(v for v in (repetition_penalty, self.repetition_penalty, 1.0) if v is not None)
+        return SamplingParams(t, 1.0 if t == 0 else p, seed, r)
 
 
 def penalize(logits: torch.Tensor, seen: Iterable[int], penalty: float) -> torch.Tensor:

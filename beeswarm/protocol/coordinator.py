@@ -10,7 +10,7 @@ from typing import Annotated
 import msgspec
 
 from beeswarm.protocol.encoding import Message
-from beeswarm.protocol.membership import Quant
+from beeswarm.protocol.membership import Short
 from beeswarm.protocol.session import PeerId
 from beeswarm.protocol.spans import Span
 
@@ -56,7 +56,7 @@ class PlanState(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int = 0
     coordinator: PeerId = ""
     objective: str = "latency"
-    quant: Quant = "none"  # the weights' format every stage of the plan serves (audits replay in it too)
+    quant: Short = "none"  # the Quant every stage of the plan serves (audits replay in it too); str on the wire
     active: Pipelines = ()
     target: Pipelines = ()
     excluded: Annotated[tuple[Exclusion, ...], msgspec.Meta(max_length=MAX_STAGES)] = ()

@@ -29,7 +29,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     addrs: Annotated[tuple[Addr, ...], msgspec.Meta(max_length=MAX_ADDRS)] = ()
     role: Role = "contributor"
     device: Short = "cpu"
-    quant: Quant = "none"  # the format of the weights it serves: a plan takes one format
+    quant: Short = "none"  # the Quant its weights are in (a str on the wire: a format added later is not an error)
     memory_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     # device benchmark figures for the planner (layer_ms_base, layer_ms_per_token, host_mem_bytes, offload_gbps)
     bench: Annotated[dict[Short, float | None], msgspec.Meta(max_length=16)] = {}
