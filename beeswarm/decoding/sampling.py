@@ -68,17 +68,34 @@ class ModelDefaults:
         return SamplingParams(t, 1.0 if t == 0 else p, seed, r)
 
 
-def penalize(logits: torch.Tensor, seen: Iterable[int], penalty: float) -> torch.Tensor:
+def penalize(logits: torch.Tensor, seen: Iterable[int] | Seen, penalty: float) -> torch.Tensor:
     """`logits` (vocab,) with every token of `seen` penalised: a positive logit divided by `penalty`, a
     negative one multiplied (transformers' RepetitionPenaltyLogitsProcessor)."""
     if penalty == 1.0:
         return logits
-    ids = sorted(set(seen))
-    if not ids:
+    index = (seen if isinstance(seen, Seen) else Seen(seen)).index.to(logits.device)
+    if not len(index):
         return logits
-    index = torch.tensor(ids, device=logits.device)
     picked = logits.gather(-1, index)
     return logits.scatter(-1, index, torch.where(picked < 0, picked * penalty, picked / penalty))
+
+
+class Seen:
+    """The distinct tokens of a sequence, for penalising many continuations of it (a draft tree's nodes) without
+    going over the whole sequence for each."""
+
+    def __init__(self, tokens: Iterable[int]):
+        self.ids = set(tokens)
+        self.index = torch.tensor(sorted(self.ids), dtype=torch.long)
+
+    def plus(self, tokens: list[int]) -> Seen:
+        """This sequence continued by `tokens`."""
+        more = {t for t in tokens if t not in self.ids}
+        if not more:
+            return self
+        out = Seen(())
+        out.ids, out.index = self.ids | more, torch.cat([self.index, torch.tensor(sorted(more), dtype=torch.long)])
+        return out
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from beeswarm.decoding.generate import Generation
-from beeswarm.decoding.sampling import SamplingParams, penalize, sample
+from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, sample
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tree import ROOT
 from beeswarm.spec.tuner import MAX_TREE_NODES, CostMeter, TreeShape, Tuner
@@ -78,12 +78,14 @@ def speculative_generate(forward: TargetForward, draft: DraftModel, prompt_ids: 
         ids = torch.tensor(pending + tree.tokens)
         logits = forward(ids, length, tree.step_mask(len(pending)), keep)
         p = len(pending)
+        seen = Seen(committed) if params.repetition_penalty != 1.0 else None
+
         def target_logits(node: int) -> torch.Tensor:
             """The target's logits after `node`, penalised by that node's own sequence (committed + its path)."""
             row = logits[p - 1 if node == ROOT else p + node]
-            if params.repetition_penalty == 1.0:
+            if seen is None:
                 return row
-            return penalize(row, committed + tree.path_tokens(node), params.repetition_penalty)
+            return penalize(row, seen.plus(tree.path_tokens(node)), params.repetition_penalty)
 
         verdict = verify(tree, target_logits, params, generator)
         for depth, candidate, ok in verdict.trials:

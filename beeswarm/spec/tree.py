@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.decoding.sampling import SamplingParams, penalize, probabilities
+from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, probabilities
 from beeswarm.spec.tuner import TreeShape
 
 ROOT = -1
@@ -87,6 +87,7 @@ def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeS
     sequence, for the repetition penalty (each node's proposal is penalised by its own sequence, as the
     target's will be)."""
     tree = DraftTree()
+    committed = Seen(seen or ()) if params.repetition_penalty != 1.0 else None
     frontier = [(ROOT, root_logits, 1.0)]  # node, draft logits for its children, draft path probability
     for depth, width in enumerate(shape.widths, start=1):
         level: list[tuple[int, float]] = []
@@ -96,8 +97,8 @@ def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeS
                 break
             if node != ROOT and path_prob < shape.min_path_prob:
                 continue
-            if params.repetition_penalty != 1.0:
-                logits = penalize(logits, (seen or []) + tree.path_tokens(node), params.repetition_penalty)
+            if committed is not None:
+                logits = penalize(logits, committed.plus(tree.path_tokens(node)), params.repetition_penalty)
             dist = draft_distribution(logits, params)
             draws = min(width, room)
             if params.greedy:
