@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 import beeswarm
-from beeswarm.protocol.membership import Quant
+from beeswarm.protocol.membership import QUANT_FORMATS, Quant
 
 log = logging.getLogger("beeswarm")
 
@@ -55,8 +55,6 @@ QUANT_HELP = ("the weights' format every contributor serves: none (the checkpoin
 
 
 def _add_quant(p: argparse.ArgumentParser, default: str | None = "none") -> None:
-    from beeswarm.protocol.membership import QUANT_FORMATS
-
     p.add_argument("--quant", choices=QUANT_FORMATS, default=default,
                    help=QUANT_HELP + (f" (default: {default})" if default else " (default: the swarm's, else none)"))
 

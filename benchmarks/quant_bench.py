@@ -44,7 +44,7 @@ from train_tinycode import read, stdlib_files, token_stream, train  # noqa: E402
 LARGER = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
               intermediate_size=1408)
 
-FORMATS = ("none", "int8", "nf4")
+FORMATS = quant.FORMATS
 
 
 def median_ms(fn: Callable[[], object], repeat: int = 30) -> float:

@@ -296,14 +296,13 @@ class CoordinatorService:
     async def _loop(self) -> None:
         last_replan = 0.0
         while True:
+            contributors = {p: info for p, info in self.members.view().items() if info.role == "contributor"}
             # a node serving weights in another format than the swarm's plan never leads it (nor is deferred to)
-            candidates = {p for p, info in self.members.view().items()
-                          if info.role == "contributor" and info.quant == self.model.quant}
+            candidates = {p for p, info in contributors.items() if info.quant == self.model.quant}
             with self._lock:
                 # (unless nobody serves the plan's format any more: then the swarm needs a leader of another)
                 same_format = not self.state.epoch or self.state.quant == self.model.quant or not any(
-                    info.quant == self.state.quant for info in self.members.view().values()
-                    if info.role == "contributor")
+                    info.quant == self.state.quant for info in contributors.values())
                 self.election.eligible = self.eligible and same_format
                 claim = self.election.tick(candidates)
             if claim is not None:
@@ -345,11 +344,12 @@ class CoordinatorService:
         if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
             return  # nothing the plan depends on changed
         try:
-            await self._plan(cluster, view)
+            await self._plan(cluster, view, others)
         finally:
             self._planned_input = given()
 
-    async def _plan(self, cluster: Cluster, view: dict[str, NodeInfo]) -> None:
+    async def _plan(self, cluster: Cluster, view: dict[str, NodeInfo], others: tuple[Exclusion, ...] = ()) -> None:
+        """`others`: the contributors left out for serving another weight format."""
         try:
             result = await trio.to_thread.run_sync(self.planner, cluster)
         except PlanError as e:
@@ -358,7 +358,7 @@ class CoordinatorService:
         active, target = next_assignment(cluster, result.pipelines, result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
         with self._lock:
-            excluded = result.excluded + other_format(view, self.model.quant) + tuple(self.sentences.values())
+            excluded = result.excluded + others + tuple(self.sentences.values())
         if (active, target, excluded) == (self.state.active, self.state.target, self.state.excluded) and \
                 self.state.coordinator == self.node.peer_id:
             return  # the same assignments: no new epoch (newcomers get the current plan re-sent)

@@ -1,14 +1,13 @@
 """The generation loop over any forward function: prefill, then one token per step."""
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from beeswarm.decoding.sampling import SamplingParams, sample
+from beeswarm.decoding.sampling import SamplingParams, Seen, sample
 
 # (new token ids (q,), start position) -> logits (q, vocab) for those tokens
 Forward = Callable[[torch.Tensor, int], torch.Tensor]
@@ -50,12 +49,16 @@ def generate(forward: Forward, prompt_ids: list[int], max_new_tokens: int, param
     t0 = time.perf_counter()
     ttft = 0.0
     pending, start = torch.tensor(prompt_ids), 0
+    penalised = params.repetition_penalty != 1.0
+    seen = Seen(prompt_ids if penalised else ())  # the sequence so far, for the penalty (kept only if there is one)
     while len(tokens) < max_new_tokens:
         logits = forward(pending, start)
-        token = sample(logits[-1], params, generator, itertools.chain(prompt_ids, tokens))
+        token = sample(logits[-1], params, generator, seen)
         if not tokens:
             ttft = time.perf_counter() - t0
         tokens.append(token)
+        if penalised:
+            seen = seen.plus([token])
         if on_token:
             on_token(token)
         if token in stop:

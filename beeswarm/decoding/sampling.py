@@ -112,7 +112,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           seen: Iterable[int] = ()) -> int:
+           seen: Iterable[int] | Seen = ()) -> int:
     """One token id from a (vocab,) logits vector; `seen`: the sequence so far (for the repetition penalty)."""
     logits = penalize(logits, seen, params.repetition_penalty)
     if params.greedy:
