@@ -205,7 +205,7 @@ def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh,
     liar.open_channel(stages[1].peer_id, ids.STEP).send(encode(step))
     got = pipe._inbox.wait((session, 0), 10)
     assert got is not None
-    sender, reply = got
+    sender, reply, _ = got
     assert sender == stages[1].peer_id and reply.culprit == liar.peer_id and "commitment" in reply.error
     # and an entry takes no result without every stage's commitment
     sent = (commitments.context(0, None, None), commitments.digest(hidden))

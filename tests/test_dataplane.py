@@ -97,6 +97,8 @@ def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_ll
         pipe.forward(bad, torch.arange(12), 0)
     with pytest.raises(StageFailed, match="start 5 is past"):
         pipe.forward(bad, torch.tensor([1]), 5)
+    with pytest.raises(StageFailed, match="tree mask: .* above the 1-byte limit"):  # a window before position 0
+        pipe.forward(bad, torch.tensor([1]), 0, tree_mask=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(StageFailed, match="unknown session"):
         pipe.forward("no-such-session", torch.tensor([1]), 0)
     # wrong shape and dtype, garbage, and a frame that is not a frame, straight onto the first stage

@@ -1,7 +1,9 @@
 """Speculative decoding: tree masks and KV compaction, exact sampling, greedy identity, the tuner."""
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from beeswarm.client.local import LocalPipeline
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams, penalize, probabilities
 from beeswarm.shard.tiny import write_tiny_checkpoint
+from beeswarm.spec import decode
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftError, DraftModel
 from beeswarm.spec.tree import ROOT, DraftTree, grow_tree
@@ -61,21 +64,29 @@ def test_tree_pass_and_kv_compaction_equal_each_path_run_alone(tinycode):
 
 
 @pytest.mark.parametrize("tuner", [Tuner(width=1), Tuner(depth=3, width=2), Tuner(depth=2, width=4),
-                                   Tuner(costs=RoundCosts(0.001, 0.3, 0.0))],
-                         ids=["chain", "tree-3x2", "tree-2x4", "tuned-slow-ring"])
+                                   Tuner(costs=RoundCosts(0.001, 0.3, 0.0)), Tuner(depth=2, width=2, in_flight=4),
+                                   Tuner(in_flight=3)],
+                         ids=["chain", "tree-3x2", "tree-2x4", "tuned-slow-ring", "pipelined-2x2", "pipelined-tuned"])
 def test_greedy_speculation_equals_plain_greedy(tinycode, tuner):
+    """Serial rounds, and steps pipelined (several in flight, continuations under the likeliest leaves, the
+    ones built on a miss dropped with their KV): greedy output is plain greedy's, token for token."""
     session = tinycode.open(200)
     plain = generate(lambda t, s: tinycode.forward(session, t, s), PROMPT, 60, GREEDY)
     tinycode.close(session)
-    session = tinycode.open(200 + 80)
+    capacity = 200 + 80 * (tuner.in_flight or 1)
+    session = tinycode.open(capacity)
     report = SpecReport()
     spec = speculative_generate(lambda t, s, m, k: tinycode.forward(session, t, s, m, k), draft(tinycode), PROMPT,
-                                60, GREEDY, tuner, report=report, max_length=280)
+                                60, GREEDY, tuner, report=report, max_length=capacity, max_in_flight=8)
     tinycode.close(session)
     assert spec.tokens == plain.tokens
     assert report.rounds < 59  # some rounds committed more than one token
     assert sum(report.accepted) + report.rounds + 1 >= 60
     assert 0 < report.acceptance_by_depth[0] <= 1
+    if tuner.in_flight:
+        assert max(report.in_flight) == tuner.in_flight and report.cancelled > 0
+    else:
+        assert set(report.in_flight) == {1} and report.cancelled == 0
 
 
 def test_a_repetition_penalty_is_transformers_own_in_plain_and_speculative_greedy(tinycode):
@@ -91,11 +102,12 @@ def test_a_repetition_penalty_is_transformers_own_in_plain_and_speculative_greed
     unpenalised = generate(lambda t, s: tinycode.forward(session, t, s), PROMPT, 48, GREEDY)
     tinycode.close(session)
     assert plain.tokens == want != unpenalised.tokens
-    session = tinycode.open(280)
-    spec = speculative_generate(lambda t, s, m, k: tinycode.forward(session, t, s, m, k), draft(tinycode), PROMPT,
-                                48, penalised, Tuner(depth=3, width=2), max_length=280)
-    tinycode.close(session)
-    assert spec.tokens == want
+    for tuner in Tuner(depth=3, width=2), Tuner(depth=3, width=2, in_flight=3):
+        session = tinycode.open(500)
+        spec = speculative_generate(lambda t, s, m, k: tinycode.forward(session, t, s, m, k), draft(tinycode),
+                                    PROMPT, 48, penalised, tuner, max_length=500, max_in_flight=3)
+        tinycode.close(session)
+        assert spec.tokens == want
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path):
@@ -107,7 +119,8 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path):
 # --- exact sampling -------------------------------------------------------------------------------
 VOCAB = 5
 ROUND_SHAPE = TreeShape((2, 2))
-SAMPLES = 20_000
+SAMPLES = 10_000
+PIPELINED_SAMPLES = 4_000
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +233,107 @@ def test_tuner_widens_trees_on_a_slow_ring_and_narrows_them_on_a_thin_link():
     thin_link = Tuner(stats, RoundCosts(0.001, 0.3, 0.02)).choose()
     assert max(slow_ring.widths) > 1
     assert thin_link.nodes < slow_ring.nodes and thin_link.min_path_prob > 0
+
+
+class TableTarget:
+    """The target as a logits table behind the stages' KV rules: a row sees every position before the window,
+    the window positions its mask marks, and its own ancestors in the step; `keep` compacts first. Steps run
+    when submitted, in order, as a push chain runs them, however many are in flight."""
+
+    def __init__(self, logits_after: Callable[[tuple[int, ...]], torch.Tensor], prompt: list[int]):
+        self.logits_after, self.kv = logits_after, list(prompt)
+
+    def submit(self, ids, start, mask, keep):
+        if keep is not None:
+            self.kv[keep[0]:] = [self.kv[keep[0] + i] for i in keep[1]]
+        del self.kv[start:]
+        new = ids.tolist()
+        window = self.kv[start - (mask.shape[1] - len(new)):] + new if mask is not None else None
+        rows = []
+        for i in range(len(new)):
+            if mask is None:
+                seq = self.kv + new[:i + 1]
+            else:
+                seq = self.kv[:start - (mask.shape[1] - len(new))] + [t for t, m in zip(window, mask[i]) if m]
+            rows.append(self.logits_after(tuple(seq)))
+        self.kv += new
+        return torch.stack(rows), 0.0
+
+    def collect(self, handle):
+        return handle
+
+    def discard(self, handle):
+        pass
+
+
+class TableDraft:
+    """The draft as a logits table (`DraftModel.propose` over looked-up logits)."""
+
+    def __init__(self, logits_after: Callable[[tuple[int, ...]], torch.Tensor]):
+        self.logits_after = logits_after
+
+    def reset(self, max_length):
+        pass
+
+    def close(self):
+        pass
+
+    def propose(self, committed, shape, params, generator=None):
+        def level(tree, nodes):
+            return torch.stack([self.logits_after(tuple(committed + tree.path_tokens(n))) for n in nodes])
+        return grow_tree(self.logits_after(tuple(committed)), level, shape, params, generator, committed)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Target and draft: two random 5-token models, logits looked up lazily for any context."""
+    tables = []
+    for seed, layers in ((0, 2), (7, 1)):
+        folder = write_tiny_checkpoint(tmp_path_factory.mktemp(f"m{seed}"), num_layers=layers, seed=seed,
+                                       hidden_size=32, intermediate_size=64, vocab_size=VOCAB)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+        @functools.cache
+        def logits_after(seq: tuple[int, ...], model=model) -> torch.Tensor:
+            with torch.no_grad():  # sharpened as above
+                return 4 * model(torch.tensor([seq])).logits[0, -1]
+        tables.append(logits_after)
+    return tables
+
+
+def wrong_judge(tree, node, logits, params, generator=None, depth=1, trials=None):
+    """`verify_without_residual`'s rule for one node."""
+    p = probabilities(logits, params)
+    q = tree.dists.get(node)
+    for x in tree.candidates.get(node, []):
+        if float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x]):
+            return tree.child(node, x), x
+    return None, int(torch.multinomial(p, 1, generator=generator))
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["multi-candidate-rejection", "wrong-rule"])
+def test_pipelined_sampling_leaves_the_target_distribution(tiny_models, exact, monkeypatch):
+    """Three steps in flight, trees hung under the two likeliest leaves of those before: three tokens (the
+    first drawn from the prompt's logits, two through pipelined steps) follow the target exactly, and a
+    wrong rule is caught."""
+    if not exact:
+        monkeypatch.setattr(decode, "judge", wrong_judge)
+    target, draft_table = tiny_models
+    params = SamplingParams(temperature=0.9, top_p=0.9)
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.zeros(VOCAB ** 3)
+    report = SpecReport()
+    for _ in range(PIPELINED_SAMPLES):
+        out = speculative_generate(TableTarget(target, CONTEXT), TableDraft(draft_table), CONTEXT, 3, params,
+                                   Tuner(depth=1, width=2, in_flight=3), generator=generator, report=report,
+                                   max_in_flight=3)
+        a, b, c = out.tokens
+        counts[(a * VOCAB + b) * VOCAB + c] += 1
+    assert max(report.in_flight) == 3 and report.cancelled > 0  # continuations were sent, and some dropped
+
+    def dist(ctx: tuple[int, ...]) -> torch.Tensor:
+        return probabilities(target(tuple(CONTEXT) + ctx), params)
+    expected = torch.stack([dist(())[a] * dist((a,))[b] * dist((a, b)) for a in range(VOCAB)
+                            for b in range(VOCAB)]).reshape(-1) * PIPELINED_SAMPLES
+    p = chi_square_p(counts, expected)
+    assert (p > 0.01) if exact else (p < 0.01), f"chi-square p = {p:.3g}"

@@ -19,6 +19,7 @@ from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.tuner import Tuner
 from helpers import alive, lines_of, read_until, reference_greedy, start_contributors, wait_for
 
 
@@ -116,8 +117,8 @@ def test_generation_survives_a_killed_stage(tiny_llama, env, tmp_path):
                          ids="+".join)
 def test_newer_families_through_a_three_process_swarm_equal_transformers(tiny_models, families, env, tmp_path):
     """Each family added after the first three: `swarm --local 3` (two families' swarms at once, to share the
-    waiting), then greedy generations plain and speculating with a random draft of the same vocabulary, token for
-    token transformers' `generate`."""
+    waiting), then greedy generations plain, speculating with a random draft of the same vocabulary, and with
+    three speculative steps in flight, token for token transformers' `generate`."""
     swarms = {family: subprocess.Popen([sys.executable, "-m", "beeswarm", "swarm", "--local", "3", "--model",
                                         str(tiny_models[family])], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                        text=True, env=env) for family in families}
@@ -134,11 +135,13 @@ def test_newer_families_through_a_three_process_swarm_equal_transformers(tiny_mo
             client = SwarmClient.create(entry, [boot], interval=1.0, listen=["/ip4/127.0.0.1/tcp/0"],
                                         draft=DraftModel(draft, entry.config.vocab_size)).start()
             try:
-                for speculate in (False, True):
-                    client.speculate = speculate
+                for speculate, in_flight in (False, None), (True, None), (True, 3):
+                    client.speculate, client.tuner = speculate, Tuner(in_flight=in_flight)
                     out = client.generate(prompt, 12, SamplingParams(), route_timeout=90)
-                    assert out.generation.tokens == expected, (family, speculate)
+                    assert out.generation.tokens == expected, (family, speculate, in_flight)
                     assert (out.spec is not None) == speculate
+                    if in_flight:  # steps pipelined through the stages' nodes
+                        assert out.spec is not None and max(out.spec.in_flight) == in_flight
             finally:
                 client.close()
     finally:

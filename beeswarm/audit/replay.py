@@ -55,7 +55,7 @@ def replay(runtime: SpanRuntime, steps: Sequence[LoggedStep]) -> list[torch.Tens
         for s in steps:
             if s.keep is not None:
                 runtime.keep(key, s.keep.start, list(s.keep.indices))
-            mask = tensors.decode_mask(s.mask, s.input.shape[0])
+            mask = tensors.decode_mask(s.mask, s.input.shape[0], s.start)
             outputs.append(runtime.step([StepInput(key, s.input, s.start, mask)])[0].to("cpu"))
         return outputs
     finally:

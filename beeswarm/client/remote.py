@@ -10,7 +10,9 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +41,8 @@ class Inbox:
 
     def __init__(self, node: Node):
         self.node = node
-        self.results: dict[tuple[str, int], tuple[str, Result | StepError]] = {}  # key -> (sender, reply)
+        # key -> (sender, reply, when it came: perf_counter seconds)
+        self.results: dict[tuple[str, int], tuple[str, Result | StepError, float]] = {}
         self.waiting: set[tuple[str, int]] = set()
         self.cond = threading.Condition()
         self._replies: Decoder[Result | StepError] = Decoder(Result, StepError, limit=node.config.max_tensor_bytes)
@@ -57,12 +60,12 @@ class Inbox:
         with self.cond:
             if key not in self.waiting:
                 return  # late (after a timeout or failover) or never asked for: drop
-            self.results[key] = (channel.peer, msg)
+            self.results[key] = (channel.peer, msg, time.perf_counter())
             self.cond.notify_all()
 
     def wait(self, key: tuple[str, int], timeout: float,
-             give_up: Callable[[], bool] = lambda: False) -> tuple[str, Result | StepError] | None:
-        """(sender, reply) for `key`, or None after `timeout` or as soon as `give_up()` holds."""
+             give_up: Callable[[], bool] = lambda: False) -> tuple[str, Result | StepError, float] | None:
+        """(sender, reply, arrival time) for `key`, or None after `timeout` or as soon as `give_up()` holds."""
         with self.cond:
             try:
                 self.cond.wait_for(lambda: key in self.results or give_up(), timeout=timeout)
@@ -77,6 +80,24 @@ class Inbox:
     def expect(self, key: tuple[str, int]) -> None:
         with self.cond:
             self.waiting.add(key)
+
+
+@dataclass
+class SessionSteps:
+    """One session of a push pipeline as a speculation target (`spec.decode.Target`)."""
+
+    pipe: RemotePipeline
+    session: str
+
+    def submit(self, ids: torch.Tensor, start: int, mask: torch.Tensor | None,
+               keep: tuple[int, list[int]] | None) -> int:
+        return self.pipe.submit(self.session, ids, start, mask, keep)
+
+    def collect(self, step: int) -> tuple[torch.Tensor, float]:
+        return self.pipe.collect(self.session, step)
+
+    def discard(self, step: int) -> None:
+        self.pipe.discard(self.session, step)
 
 
 class StageFailed(Exception):
@@ -184,13 +205,32 @@ class RemotePipeline:
                 steps.append(self._send_step(self.route[0], session, self.entry.embed(chunk), position, None,
                                              kept if position == start else None))
                 position += len(chunk)
-            return self.entry.logits(torch.cat([self._await(session, step, self.route[0]) for step in steps]))
+            return self.entry.logits(torch.cat([self._await(session, step, self.route[0])[0] for step in steps]))
         hidden = self.entry.embed(token_ids)
         stages = self.route if self.mode == "hops" else self.route[:1]
         for stage in stages:
             step = self._send_step(stage, session, hidden, start, tree_mask, kept)
-            hidden = self._await(session, step, stage)
+            hidden = self._await(session, step, stage)[0]
         return self.entry.logits(hidden)
+
+    def submit(self, session: str, token_ids: torch.Tensor, start: int, tree_mask: torch.Tensor | None = None,
+               keep: tuple[int, list[int]] | None = None) -> int:
+        """Send a step into the push chain without waiting for it; `collect` it later. The stages run a
+        session's steps in the order sent, so several may be in flight (pipelined speculation)."""
+        if self.mode != "push":
+            raise ValueError("steps in flight need the push chain")
+        kept = None if keep is None else Keep(keep[0], tuple(keep[1]))
+        return self._send_step(self.route[0], session, self.entry.embed(token_ids), start, tree_mask, kept)
+
+    def collect(self, session: str, step: int) -> tuple[torch.Tensor, float]:
+        """A submitted step's logits, and when its result arrived (perf_counter seconds)."""
+        hidden, arrived = self._await(session, step, self.route[0])
+        return self.entry.logits(hidden), arrived
+
+    def discard(self, session: str, step: int) -> None:
+        """A submitted step's result is not wanted: it is dropped when it comes."""
+        self._sent.pop((session, step), None)
+        self._inbox.wait((session, step), 0)
 
     def _send_step(self, stage: Stage, session: str, hidden: torch.Tensor, start: int,
                    tree_mask: torch.Tensor | None, keep: Keep | None) -> int:
@@ -208,7 +248,8 @@ class RemotePipeline:
             raise StageFailed(stage.node, str(e)) from None
         return step
 
-    def _await(self, session: str, step: int, stage: Stage) -> torch.Tensor:
+    def _await(self, session: str, step: int, stage: Stage) -> tuple[torch.Tensor, float]:
+        """The step's hidden states from the route's last stage (checked), and when they arrived."""
         sent = self._sent.pop((session, step))
         got = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
         if got is None:
@@ -217,7 +258,7 @@ class RemotePipeline:
                 peer, why = next(iter(lost.items()))
                 raise StageFailed(peer, why)
             raise StageFailed(stage.node, f"no result for step {step} within {self.step_timeout_s} s")
-        sender, reply = got
+        sender, reply, arrived = got
         last = self.route[-1] if self.mode == "push" else stage
         if isinstance(reply, StepError):
             nodes = {s.node for s in self.route}
@@ -233,7 +274,7 @@ class RemotePipeline:
         self._check_commits(session, step, stages, sent, reply, hidden)
         if self.auditor is not None:
             self.auditor.observe(session, reply.commits)
-        return hidden
+        return hidden, arrived
 
     def _check_commits(self, session: str, step: int, stages: Route, sent: tuple[bytes, bytes], reply: Result,
                        hidden: torch.Tensor) -> None:

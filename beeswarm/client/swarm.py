@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from beeswarm import codec
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.auditor import AuditCounts, Auditor
-from beeswarm.client.remote import Inbox, RemotePipeline, Route, StageBusy, StageFailed
+from beeswarm.client.remote import Inbox, RemotePipeline, Route, SessionSteps, StageBusy, StageFailed
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.service import CoordinatorService
 from beeswarm.decoding.generate import EndGeneration, Generation, generate, new_generator
@@ -32,7 +32,7 @@ from beeswarm.shard.entry import EntryModel
 from beeswarm.shard.span import SpanRuntime
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftModel
-from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
+from beeswarm.spec.tuner import MAX_IN_FLIGHT, MAX_TREE_NODES, Tuner
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES = 5
@@ -73,6 +73,7 @@ class ClientOptions:
     micro_batches: int | None = None  # chunks a prompt is cut into (None: the plan's figure)
     compress: bool = True  # False: raw frames on every hop (the baseline the benchmarks compare against)
     audit_rate: float = DEFAULT_RATE  # of each stage's steps audited (0: none)
+    max_in_flight: int = MAX_IN_FLIGHT  # speculative steps in flight at once (the tuner picks up to this; 1: serial)
 
 
 class SwarmClient:
@@ -298,7 +299,9 @@ class SwarmClient:
             pipe = self._pipeline(route)
             wire0, raw0 = pipe.wire_bytes, pipe.raw_bytes
             try:
-                max_length = min(limit, len(prompt_ids) + max_new_tokens + (MAX_TREE_NODES + 1 if speculate else 0))
+                in_flight = self.options.max_in_flight if self.options.mode == "push" else 1
+                lookahead = in_flight * (MAX_TREE_NODES + 1) if speculate else 0
+                max_length = min(limit, len(prompt_ids) + max_new_tokens + lookahead)
                 session = pipe.open(max_length)
                 sessions.append(session)
                 try:
@@ -306,9 +309,11 @@ class SwarmClient:
                     context, left = prompt_ids + tokens, max_new_tokens - len(tokens)
                     if speculate:
                         assert self.draft is not None, "`generate` speculates only when a draft is set"
-                        speculative_generate(
-                            lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep), self.draft,
-                            context, left, params, self.tuner, stop_ids, emit, generator, report, max_length)
+                        target = SessionSteps(pipe, session) if in_flight > 1 else \
+                            lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep)
+                        speculative_generate(target, self.draft, context, left, params, self.tuner, stop_ids, emit,
+                                             generator, report, max_length, in_flight,
+                                             lambda ids: pipe.forward(session, ids, 0, micro_batches=m))
                     else:
                         generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, params,
                                  stop_ids, emit, generator)

@@ -106,6 +106,7 @@ class Contributor:
         self._lock = threading.Lock()
         self._progress: dict[str, Progress] = {}
         self._rate = RateMeter()
+        self._busy = RateMeter()  # compute seconds per second
         self._history: deque[float] = deque(maxlen=HISTORY)
         self._benching = threading.Lock()
         self._workers: list[threading.Thread] = []  # span loads and re-benchmarks, joined when leaving
@@ -288,7 +289,8 @@ class Contributor:
         """Measure the tokens/s served and put it and the open sessions in the heartbeat (peers show them)."""
         served = self.server.tokens if self.server is not None else 0
         self._history.append(self._rate.add(served))
-        self.members.update(load=round(self._history[-1], 2),
+        busy = self._busy.add(self.server.compute_s if self.server is not None else 0.0)
+        self.members.update(load=round(self._history[-1], 2), busy=round(min(1.0, busy), 2),
                             sessions=len(self.server.sessions) if self.server is not None else 0)
 
     def status(self) -> ContributorStatus:

@@ -77,6 +77,7 @@ class Traffic:
     wire_in: int  # ... as they crossed the wire
     raw_out: int
     wire_out: int
+    compute_s: float  # seconds its layers computed
 
 
 @dataclass
@@ -107,6 +108,7 @@ class StageServer:
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
         self.steps = self.tokens = 0  # written by the compute thread only
+        self.compute_s = 0.0
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._out = ChannelPool(node)
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
@@ -168,7 +170,7 @@ class StageServer:
         with self._lock:
             links = list(self._codecs.values())
         return Traffic(self.steps, self.tokens, sum(c.raw_in for c in links), sum(c.wire_in for c in links),
-                       sum(c.raw_bytes for c in links), sum(c.wire_bytes for c in links))
+                       sum(c.raw_bytes for c in links), sum(c.wire_bytes for c in links), self.compute_s)
 
     @property
     def busy(self) -> bool:
@@ -278,10 +280,12 @@ class StageServer:
                 self._fail(item, str(e))
         for runtime, steps in ready.items():
             outputs: Sequence[torch.Tensor | None]
+            t0 = time.perf_counter()
             try:
                 outputs = runtime.step([x for _, _, x in steps])
             except SessionError:
                 outputs = [self._step_alone(runtime, item, step) for item, _, step in steps]  # find the bad one
+            self.compute_s += time.perf_counter() - t0
             for (item, session, step), out in zip(steps, outputs):
                 if out is not None:
                     if self.fault is not None:
@@ -306,7 +310,7 @@ class StageServer:
         hidden = tensors.decode(msg.frame, self.link(item.sender), self.node.config.max_tensor_bytes)
         if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
-        mask = tensors.decode_mask(msg.mask, hidden.shape[0]) if hidden.dim() == 2 else None
+        mask = tensors.decode_mask(msg.mask, hidden.shape[0], msg.start) if hidden.dim() == 2 else None
         item.context, item.input = commitments.context(msg.start, msg.mask, msg.keep), commitments.digest(hidden)
         self._check_previous(item, session)
         if msg.keep is not None:  # the last speculative round's accepted path, sent with the next step

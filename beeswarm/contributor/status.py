@@ -110,13 +110,13 @@ HISTORY = 120  # seconds of tokens/s kept
 
 
 class RateMeter:
-    """Tokens per second over a sliding window of (time, count) samples."""
+    """A counter's rate (tokens per second, compute seconds per second) over a sliding window of samples."""
 
     def __init__(self, window_s: float = 5.0):
         self.window_s = window_s
-        self._samples: list[tuple[float, int]] = []
+        self._samples: list[tuple[float, float]] = []
 
-    def add(self, count: int, now: float | None = None) -> float:
+    def add(self, count: float, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         self._samples.append((now, count))
         while len(self._samples) > 2 and self._samples[1][0] < now - self.window_s:

@@ -28,6 +28,7 @@ class MemberRow:
     spans: tuple[Span, ...]  # every span it announces (two while migrating)
     device: str
     tokens_per_s: float  # served lately, from its heartbeat
+    busy: float  # share of the last seconds its layers computed
     heartbeat_age_s: float  # since its last heartbeat reached us
     version: str
     coordinator: bool = False
@@ -73,7 +74,7 @@ class StatusReport:
         return {
             "members": [{"peer": m.peer, "role": m.role, "state": m.state,
                          "spans": [[s.start, s.end] for s in m.spans], "device": m.device,
-                         "tokens_per_s": round(m.tokens_per_s, 2), "heartbeat_age_s": round(m.heartbeat_age_s, 2),
+                         "tokens_per_s": round(m.tokens_per_s, 2), "busy": m.busy, "heartbeat_age_s": round(m.heartbeat_age_s, 2),
                          "version": m.version, "coordinator": m.coordinator} for m in self.members],
             "num_layers": self.num_layers,
             "coverage": list(self.coverage),
@@ -104,12 +105,12 @@ class StatusReport:
             out.append("coordinator: none heard")
         out.append("")
         out.append(f"  {'peer':<14} {'role':<11} {'state':<8} {'layers':<18} {'device':<8} {'tok/s':>7} "
-                   f"{'heartbeat':>10}")
+                   f"{'busy':>5} {'heartbeat':>10}")
         for m in self.members:
             layers = " ".join(str(s) for s in m.spans) or "-"
             mark = "*" if m.coordinator else " "
             out.append(f"{mark} {short(m.peer):<14} {m.role:<11} {m.state:<8} {layers:<18} {m.device:<8} "
-                       f"{m.tokens_per_s:>7.1f} {m.heartbeat_age_s:>7.1f} s")
+                       f"{m.tokens_per_s:>7.1f} {m.busy:>5.0%} {m.heartbeat_age_s:>7.1f} s")
         out.append("")
         if not self.num_layers:
             out.append("coverage: unknown (no plan heard and no member serves a span)")
@@ -188,7 +189,7 @@ def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], pl
     num_layers = max((s.end for s in planned or announced), default=0)
     members = tuple(MemberRow(peer=peer, role=info.role, state=info.state,
                               spans=info.spans or ((info.layers,) if info.layers else ()), device=info.device,
-                              tokens_per_s=info.load, heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
+                              tokens_per_s=info.load, busy=info.busy, heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
                               version=info.version, coordinator=peer == coordinator)
                     for peer, info in sorted(view.items(), key=lambda kv: _order(kv[1])))
     return StatusReport(members, num_layers, _segments(num_layers, serving), coordinator, term, epoch, plan)

@@ -37,6 +37,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     # every span served (two while migrating)
     spans: Annotated[tuple[Span, ...], msgspec.Meta(max_length=MAX_SPANS)] = ()
     load: float = 0.0  # tokens/s served
+    busy: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0  # share of the last seconds its layers computed
     sessions: Annotated[int, msgspec.Meta(ge=0)] = 0  # open sessions on its spans
     beat_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0  # the author's heartbeat period (0: unknown)
     state: State = "joining"

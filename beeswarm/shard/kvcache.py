@@ -25,7 +25,7 @@ class SessionKV:
 
     def keep(self, start: int, indices: list[int]) -> None:
         """Compact to positions `start + indices` (the accepted tree path) moved to `start, start+1, ...`."""
-        src = torch.tensor([start + i for i in indices], device=self.keys.device)
+        src = torch.tensor([start + i for i in indices], dtype=torch.long, device=self.keys.device)
         end = start + len(indices)
         self.keys[:, :, start:end] = self.keys.index_select(2, src)
         self.values[:, :, start:end] = self.values.index_select(2, src)

@@ -35,11 +35,15 @@ def encode_mask(mask: torch.Tensor | None) -> bytes | None:
     return None if mask is None else encode(mask.to(torch.uint8), layout="raw")
 
 
-def decode_mask(data: bytes | None, q: int) -> torch.Tensor | None:
-    """The (q, q) bool tree mask of a step of q tokens; raises ProtocolError on anything else."""
+def decode_mask(data: bytes | None, q: int, start: int) -> torch.Tensor | None:
+    """The bool tree mask of a step of q tokens at `start`: (q, w) with q <= w <= q + start (the step's own
+    columns, after up to `start` cached positions before them); raises ProtocolError on anything else."""
     if data is None:
         return None
-    mask = decode(data, max_bytes=q * q)
-    if mask.dtype != torch.uint8 or tuple(mask.shape) != (q, q):
-        raise ProtocolError(f"tree mask must be uint8 ({q}, {q})")
+    try:
+        mask = decode(data, max_bytes=q * (q + start))
+    except codec.CodecError as e:
+        raise codec.CodecError(f"tree mask: {e}") from None
+    if mask.dtype != torch.uint8 or mask.dim() != 2 or mask.shape[0] != q or not q <= mask.shape[1] <= q + start:
+        raise ProtocolError(f"tree mask must be uint8 ({q}, {q}..{q + start})")
     return mask.bool()

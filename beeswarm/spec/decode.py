@@ -1,107 +1,336 @@
-"""Speculative generation: draft a tree locally, verify it through the target in one pass per round."""
+"""Speculative generation: draft trees locally, verify them through the target, serially or pipelined.
+
+Serial (one step in flight) is the classic round: a tree after the last committed token goes around
+the ring, the walk commits its accepted path and the target's own next token, and the next round
+starts. Pipelined, up to D steps are in flight: while one crosses the ring, the next hangs small trees
+under the likeliest leaves of those still unverified, so when the walk reaches such a leaf its
+continuation is already on its way. Every step's tree nodes are nodes of one growing tree whose spine
+is the committed sequence; the walk judges node after node as results arrive (`verify.judge`), and a
+step whose nodes all left the walk's subtree is dropped when it returns (its KV with the next step's
+`keep`). A node's candidates are drawn, and fixed, before the target's result for it is seen, so the
+output stays exactly the target's (greedy: token for token plain greedy).
+
+The stages' KV holds the committed tokens compacted up to `base`, then the nodes sent and not yet
+judged. Each step carries a tree mask over that window: a node sees its own ancestors, so its
+position is `base` plus their number (`SpanRuntime`'s windowed masks).
+"""
 from __future__ import annotations
 
 import collections
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from beeswarm.decoding.generate import Generation
 from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, sample
 from beeswarm.spec.draft import DraftModel
-from beeswarm.spec.tree import ROOT
-from beeswarm.spec.tuner import MAX_TREE_NODES, CostMeter, TreeShape, Tuner
-from beeswarm.spec.verify import verify
+from beeswarm.spec.tree import ROOT, DraftTree
+from beeswarm.spec.tuner import MAX_TREE_NODES, CostMeter, Plan, TreeShape, Tuner
+from beeswarm.spec.verify import judge
 
 # (token ids, start, tree mask or None, keep (start, indices) or None) -> logits for those ids
 TargetForward = Callable[[torch.Tensor, int, torch.Tensor | None, tuple[int, list[int]] | None], torch.Tensor]
 
 
+class Target(Protocol):
+    """A target that may take steps before earlier ones return; steps of a session run in the order sent."""
+
+    def submit(self, ids: torch.Tensor, start: int, mask: torch.Tensor | None,
+               keep: tuple[int, list[int]] | None) -> Any: ...
+
+    def collect(self, handle: Any) -> tuple[torch.Tensor, float]:
+        """The step's logits, and when they arrived (perf_counter seconds)."""
+        ...
+
+    def discard(self, handle: Any) -> None:
+        """The step's result is not wanted (the generation ended while it was in flight)."""
+        ...
+
+
+class Eager:
+    """A synchronous forward as a `Target`: each step runs when submitted (one in flight is the same)."""
+
+    def __init__(self, forward: TargetForward):
+        self.forward = forward
+
+    def submit(self, ids, start, mask, keep) -> tuple[torch.Tensor, float]:
+        return self.forward(ids, start, mask, keep), time.perf_counter()
+
+    def collect(self, handle: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, float]:
+        return handle
+
+    def discard(self, handle: Any) -> None:
+        pass
+
+
 @dataclass
 class SpecReport:
-    rounds: int = 0
-    accepted: list[int] = field(default_factory=list)  # draft tokens accepted in each round
-    tried: list[int] = field(default_factory=list)  # candidates verification tried in each round
+    rounds: int = 0  # steps whose results the walk used
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted from each such step
+    tried: list[int] = field(default_factory=list)  # candidates verification tried in each
     shapes: collections.Counter = field(default_factory=collections.Counter)
     acceptance_by_depth: list[float] = field(default_factory=list)
+    steps: int = 0  # steps sent
+    cancelled: int = 0  # steps none of whose nodes could still be committed when they returned
+    rows_sent: int = 0  # positions the stages computed
+    rows_cancelled: int = 0  # ... in cancelled steps
+    in_flight: collections.Counter = field(default_factory=collections.Counter)  # steps in flight at each send
+    plan: Plan | None = None
 
     def as_json(self) -> dict:
         widths = self.shapes.most_common(1)[0][0] if self.shapes else ()
         return {"rounds": self.rounds,
                 "accepted_per_round": round(sum(self.accepted) / max(1, self.rounds), 3),
                 "acceptance_by_depth": self.acceptance_by_depth,
-                "spec": {"depth": len(widths), "widths": list(widths)}}
+                "spec": {"depth": len(widths), "widths": list(widths)},
+                "pipeline": {"steps": self.steps, "cancelled": self.cancelled, "rows_sent": self.rows_sent,
+                             "rows_cancelled": self.rows_cancelled,
+                             "in_flight": dict(sorted(self.in_flight.items())),
+                             "plan": self.plan.as_json() if self.plan else None}}
 
 
-def speculative_generate(forward: TargetForward, draft: DraftModel, prompt_ids: list[int], max_new_tokens: int,
-                         params: SamplingParams, tuner: Tuner | None = None, stop_ids: Iterable[int] = (),
-                         on_token: Callable[[int], None] | None = None, generator: torch.Generator | None = None,
-                         report: SpecReport | None = None, max_length: int | None = None) -> Generation:
-    """Like `generate`, in rounds: each commits the accepted draft path plus one token of the target's.
+@dataclass
+class _Step:
+    handle: Any
+    rows: list[int]  # tree nodes, in row order
+    sent: float
+    draft_s: float
+    levels: int
 
-    `max_length`: the target session's capacity; trees shrink to fit what is left of it.
+
+class _Speculation:
+    """The tree of one generation's speculation, the stages' KV layout, and the walk."""
+
+    def __init__(self, target: Target, draft: DraftModel, params: SamplingParams, tuner: Tuner,
+                 generator: torch.Generator | None, committed: list[int], base: int, max_length: int | None,
+                 max_in_flight: int, report: SpecReport, commit: Callable[[int], bool]):
+        self.target, self.draft, self.params, self.tuner = target, draft, params, tuner
+        self.generator, self.report, self.commit = generator, report, commit
+        self.max_length, self.max_in_flight = max_length, max_in_flight
+        self.meter = CostMeter(tuner.costs)
+        self.tree = DraftTree()
+        self.committed = list(committed)  # every committed token; the last is `at`'s
+        self.at = self.tree.add(ROOT, committed[-1])  # the walk's node: committed, its children next to judge
+        self.spine = {self.at}  # committed nodes not yet compacted
+        self.fresh = True  # the walk's node is not in the stages' KV yet (the prompt's last token, a miss's token)
+        self.base = base  # committed tokens compacted in the stages' KV
+        self.slots: dict[int, int] = {}  # node -> its position in the stages' KV, for nodes sent past `base`
+        self.kv_end = base  # the stages' KV length once every step sent has run
+        self.rows: dict[int, torch.Tensor] = {}  # the target's logits after each node whose result arrived
+        # an expanded node's candidates' depth in the tree they were drafted in (the tuner's statistics)
+        self.level: dict[int, int] = {}
+        self.prob: dict[int, float] = {}  # the draft's probability of a drafted node given its parent
+        self.flight: collections.deque[_Step] = collections.deque()
+        self.plan = tuner.plan(max_in_flight)
+
+    # the walk ----------------------------------------------------------------------------------
+    def advance(self) -> bool:
+        """Judge nodes while the target's results allow; False once generation is over."""
+        seen = Seen(self.committed) if self.params.repetition_penalty != 1.0 else None
+        while self.at in self.rows:
+            logits = self.rows.pop(self.at)
+            if seen is not None:
+                logits = penalize(logits, seen, self.params.repetition_penalty)
+            trials: list[tuple[int, int, bool]] = []
+            child, token = judge(self.tree, self.at, logits, self.params, self.generator,
+                                 self.level.get(self.at, 1), trials)
+            for depth, candidate, ok in trials:
+                self.tuner.stats.record(depth, candidate, ok)
+            self.report.tried[-1] += len(trials)
+            child = child if child is not None else self.tree.child(self.at, token)
+            if child is None:  # the target's own token: a new node, sent with the next step
+                child = self.tree.add(self.at, token)
+                self.fresh = True
+            else:
+                self.report.accepted[-1] += 1
+            self.at = child
+            self.spine.add(child)
+            self.committed.append(token)
+            if seen is not None:
+                seen = seen.plus([token])
+            if not self.commit(token):
+                return False
+        return True
+
+    def alive(self, node: int) -> bool:
+        """Still committable: below the walk's node."""
+        depth = self.tree.depths[self.at]
+        if self.tree.depths[node] <= depth:
+            return False
+        while self.tree.depths[node] > depth:
+            node = self.tree.parents[node]
+        return node == self.at
+
+    # steps -------------------------------------------------------------------------------------
+    def fill(self) -> None:
+        """A fresh round when the walk's node is not sent yet (at the start, after a miss), then continuations
+        until `plan.depth` steps are in flight."""
+        if self.fresh:
+            self.plan = self.tuner.plan(self.max_in_flight)  # from what the statistics say now
+            self.send([self.at], self.plan.fresh)
+        while len(self.flight) < self.plan.depth:
+            hangs = self.leaves(self.plan.hangs)
+            if not hangs or not self.send(hangs, self.plan.more):
+                return
+
+    def leaves(self, count: int) -> list[int]:
+        """The `count` likeliest leaves of the walk's subtree (under the draft) that no step extends yet."""
+        found: list[tuple[float, int]] = []
+        stack = [(self.at, 1.0)]
+        while stack:
+            node, p = stack.pop()
+            if node not in self.tree.candidates:
+                found.append((p, node))
+            stack += [(child, p * self.prob[child]) for child in self.tree.children(node) if child in self.slots]
+        found.sort(reverse=True)
+        return [node for _, node in found[:count]]
+
+    def send(self, hangs: list[int], shape: TreeShape) -> bool:
+        """One step: the trees drafted under `hangs` (and the walk's node first when it is not sent yet)."""
+        keep, window = self.compact()
+        rows = [self.at] if self.fresh else []
+        budget = len(hangs) * MAX_TREE_NODES
+        if self.max_length is not None:
+            budget = min(budget, self.max_length - self.kv_end - len(rows))
+        t0 = time.perf_counter()
+        for hang in hangs:
+            if budget <= 0:
+                break
+            sub = TreeShape(shape.widths, min(shape.max_nodes, budget), shape.min_path_prob)
+            added = self.graft(hang, self.draft.propose(self.committed + self.path_tokens(hang), sub, self.params,
+                                                        self.generator))
+            rows += added
+            budget -= len(added)
+        draft_s = time.perf_counter() - t0
+        if not rows:
+            return False
+        col = {node: j for j, node in enumerate(window + rows)}
+        mask = torch.zeros(len(rows), len(col), dtype=torch.bool)
+        for i, node in enumerate(rows):
+            while node in col:
+                mask[i, col[node]] = True
+                node = self.tree.parents[node]
+        start = self.kv_end
+        handle = self.target.submit(torch.tensor([self.tree.tokens[n] for n in rows]), start, mask, keep)
+        for i, node in enumerate(rows):
+            self.slots[node] = start + i
+        self.fresh = False
+        self.kv_end = start + len(rows)
+        self.report.steps += 1
+        self.report.rows_sent += len(rows)
+        self.report.in_flight[len(self.flight) + 1] += 1
+        self.report.shapes[shape.widths] += 1
+        self.flight.append(_Step(handle, rows, time.perf_counter(), draft_s, shape.depth * len(hangs)))
+        return True
+
+    def graft(self, hang: int, sub: DraftTree) -> list[int]:
+        """Add a tree drafted after `hang` under it; the new nodes, in order."""
+        ids = {ROOT: hang}
+        for i, (token, parent) in enumerate(zip(sub.tokens, sub.parents, strict=True)):
+            ids[i] = self.tree.add(ids[parent], token)
+            self.prob[ids[i]] = float(sub.dists[parent][token])
+        for node, cands in sub.candidates.items():
+            self.tree.candidates[ids[node]], self.tree.dists[ids[node]] = cands, sub.dists[node]
+            self.level[ids[node]] = 1 if node == ROOT else sub.depths[node] + 1
+        return [ids[i] for i in range(len(sub.tokens))]
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens after the walk's node down to `node`."""
+        out = []
+        while node != self.at:
+            out.append(self.tree.tokens[node])
+            node = self.tree.parents[node]
+        return out[::-1]
+
+    def compact(self) -> tuple[tuple[int, list[int]] | None, list[int]]:
+        """The keep for the next step (committed nodes to `base`, then live ones; the rest dropped) and the
+        live nodes in their new order: the next step's window."""
+        sent = sorted(self.slots, key=self.slots.__getitem__)
+        committed = [n for n in sent if n in self.spine]
+        live = [n for n in sent if n not in self.spine and self.alive(n)]
+        offsets = [self.slots[n] - self.base for n in committed + live]
+        keep = None if offsets == list(range(self.kv_end - self.base)) else (self.base, offsets)
+        for node in sent:
+            del self.slots[node]
+        kept = set(live) | {self.at}
+        for node in [n for n in self.tree.candidates if n not in kept]:
+            del self.tree.candidates[node], self.tree.dists[node]  # never judged: free their distributions
+        self.rows = {n: r for n, r in self.rows.items() if n in kept}
+        self.base += len(committed)
+        self.spine = {self.at}
+        for i, node in enumerate(live):
+            self.slots[node] = self.base + i
+        self.kv_end = self.base + len(live)
+        return keep, live
+
+    def receive(self) -> None:
+        """Wait for the oldest step in flight and keep the results the walk may still need."""
+        step = self.flight.popleft()
+        logits, arrived = self.target.collect(step.handle)
+        wanted = [i for i, node in enumerate(step.rows) if node == self.at or (node in self.slots and self.alive(node))]
+        if not wanted:
+            self.report.cancelled += 1
+            self.report.rows_cancelled += len(step.rows)
+        else:
+            self.report.rounds += 1
+            self.report.accepted.append(0)
+            self.report.tried.append(0)
+        for i in wanted:
+            self.rows[step.rows[i]] = logits[i]
+        # the step's time past its draft: the pass around the ring (and any queue behind earlier steps)
+        self.meter.observe(step.draft_s, step.levels, len(step.rows), arrived - step.sent)
+
+    def discard_all(self) -> None:
+        while self.flight:
+            self.target.discard(self.flight.popleft().handle)
+
+
+def speculative_generate(target: TargetForward | Target, draft: DraftModel, prompt_ids: list[int],
+                         max_new_tokens: int, params: SamplingParams, tuner: Tuner | None = None,
+                         stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
+                         generator: torch.Generator | None = None, report: SpecReport | None = None,
+                         max_length: int | None = None, max_in_flight: int = 1,
+                         prefill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Generation:
+    """Like `generate`, speculating: each target pass commits the accepted draft path plus a token of its own.
+
+    `target`: a forward function (one step at a time) or a `Target` taking up to `max_in_flight` steps at
+    once (the tuner decides how many, from 1); `max_length`: the target session's capacity, trees shrink to
+    fit what is left of it; `prefill(ids)`: the prompt's logits (default: one step of the target).
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
+    target = Eager(target) if callable(target) else target
     tuner = tuner or Tuner()
     report = report if report is not None else SpecReport()
-    meter = CostMeter(tuner.costs)
     stop = set(stop_ids)
     tokens: list[int] = []
     t0 = time.perf_counter()
 
-    def commit(new: list[int]) -> bool:
-        """Emit tokens until the budget or a stop id; False when generation is over."""
-        for token in new:
-            tokens.append(token)
-            if on_token:
-                on_token(token)
-            if token in stop or len(tokens) >= max_new_tokens:
-                return False
-        return True
+    def commit(token: int) -> bool:
+        """Emit a token; False once the budget or a stop id ends the generation."""
+        tokens.append(token)
+        if on_token:
+            on_token(token)
+        return token not in stop and len(tokens) < max_new_tokens
 
-    logits = forward(torch.tensor(prompt_ids), 0, None, None)
-    going = commit([sample(logits[-1], params, generator, prompt_ids)]) if max_new_tokens > 0 else False
+    ids = torch.tensor(prompt_ids)
+    logits = prefill(ids) if prefill is not None else target.collect(target.submit(ids, 0, None, None))[0]
+    going = commit(sample(logits[-1], params, generator, prompt_ids)) if max_new_tokens > 0 else False
     ttft = time.perf_counter() - t0
-    draft.reset(len(prompt_ids) + max_new_tokens + MAX_TREE_NODES + 2)
-    committed, length, pending, keep = list(prompt_ids) + tokens, len(prompt_ids), tokens[-1:], None
-    while going:
-        shape = tuner.choose()
-        if max_length is not None:
-            room = max_length - length - len(pending)
-            shape = TreeShape(shape.widths, max(0, min(shape.max_nodes, room)), shape.min_path_prob)
-        t_draft = time.perf_counter()
-        tree = draft.propose(committed, shape, params, generator)
-        t_pass = time.perf_counter()
-        ids = torch.tensor(pending + tree.tokens)
-        logits = forward(ids, length, tree.step_mask(len(pending)), keep)
-        p = len(pending)
-        seen = Seen(committed) if params.repetition_penalty != 1.0 else None
-
-        def target_logits(node: int) -> torch.Tensor:
-            """The target's logits after `node`, penalised by that node's own sequence (committed + its path)."""
-            row = logits[p - 1 if node == ROOT else p + node]
-            if seen is None:
-                return row
-            return penalize(row, seen.plus(tree.path_tokens(node)), params.repetition_penalty)
-
-        verdict = verify(tree, target_logits, params, generator)
-        for depth, candidate, ok in verdict.trials:
-            tuner.stats.record(depth, candidate, ok)
-        report.rounds += 1
-        report.accepted.append(len(verdict.path))
-        report.tried.append(len(verdict.trials))
-        report.shapes[shape.widths] += 1
-        keep = (length, list(range(p)) + [p + n for n in verdict.path])
-        length += p + len(verdict.path)
-        new = verdict.tokens(tree)
-        pending = new[-1:]
-        committed += new
-        going = commit(new)
-        # the round's time past the draft: the pass around the ring, verification and emitting
-        meter.observe(t_pass - t_draft, shape.depth, len(ids), time.perf_counter() - t_pass)
+    draft.reset(len(prompt_ids) + max_new_tokens + (max_in_flight + 1) * (MAX_TREE_NODES + 2))
+    spec = _Speculation(target, draft, params, tuner, generator, list(prompt_ids) + tokens, len(prompt_ids),
+                        max_length, max_in_flight, report, commit)
+    try:
+        while going:
+            spec.fill()
+            spec.receive()
+            going = spec.advance()
+    finally:
+        spec.discard_all()
+    report.plan = spec.plan
     report.acceptance_by_depth = tuner.stats.by_depth()
     draft.close()
     return Generation(tokens, len(prompt_ids), ttft, time.perf_counter() - t0)

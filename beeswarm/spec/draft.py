@@ -1,9 +1,10 @@
 """The local draft model: a small causal LM with its own KV cache, proposing token trees.
 
-It keeps the committed tokens it has seen in its cache; each round it reads the newly committed
-ones (the accepted path and the target's token) in one step, then grows the tree a level per step,
-each level attending to its ancestors through a windowed tree mask. Tree nodes past the committed
-length are simply overwritten next round: rolling back is a length.
+It keeps the tokens it has read in its cache; each proposal reads what is new after their common
+prefix with the asked-for sequence (the accepted path and the target's token, or a hypothetical path
+when speculation is pipelined) in one step, then grows the tree a level per step, each level
+attending to its ancestors through a windowed tree mask. Tree nodes past the read length are simply
+overwritten next time: rolling back is a length.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class DraftModel:
         self.entry = EntryModel(folder, dtype, device)
         self.span = SpanRuntime(folder, Span(0, config.num_hidden_layers), dtype, device)
         self.session: str | None = None
-        self.length = 0  # committed tokens in the cache
+        self.read: list[int] = []  # the tokens in the cache, in order
 
     def reset(self, max_length: int) -> None:
         """Start over (a new generation, or after a failover)."""
@@ -52,7 +53,7 @@ class DraftModel:
         self.session = f"draft-{next(self._ids)}"
         limit = self.entry.config.max_position_embeddings
         self.span.open(self.session, min(max_length, limit))
-        self.length = 0
+        self.read = []
 
     def close(self) -> None:
         if self.session is not None:
@@ -62,16 +63,18 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, committed: list[int], shape: TreeShape, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
-        """A tree after `committed` (every committed token; the draft reads those it has not seen)."""
+        """A tree after `committed` (the whole sequence; the draft reads what it has not read of it)."""
         if self.session is None:
             raise DraftError("reset() the draft before proposing")
-        new = committed[self.length:]
-        if not new:  # nothing new (cannot happen in a round, which always commits a token): re-read the last
-            self.length -= 1
-            new = committed[-1:]
-        hidden = self.span.step_one(self.session, self.entry.embed(torch.tensor(new)), self.length)
-        self.length = len(committed)
-        base = self.length
+        same = 0
+        for a, b in zip(self.read, committed):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(committed) - 1)  # re-read at least the last token: its logits are the root's
+        hidden = self.span.step_one(self.session, self.entry.embed(torch.tensor(committed[same:])), same)
+        self.read = list(committed)
+        base = len(committed)
 
         def level_logits(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
             first = nodes[0]  # levels are contiguous: the step holds nodes first.., the window the whole tree

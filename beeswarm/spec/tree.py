@@ -45,6 +45,9 @@ class DraftTree:
     def child(self, node: int, token: int) -> int | None:
         return self._children.get(node, {}).get(token)
 
+    def children(self, node: int) -> list[int]:
+        return list(self._children.get(node, {}).values())
+
     def path(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node`."""
         out = []

@@ -7,16 +7,33 @@ tokens on average, where `hit_d(w)` is the chance the target's token is among `w
 depth d, from running acceptance counts. The tuner maximises tokens per second. With every width 1
 this is the closed form `(1 - a^(K+1)) / (1 - a) / (K*c_d + C + T_ring)`.
 
+Pipelined speculation (`Tuner.plan`) keeps up to D steps in flight: while one crosses the ring, the
+next hangs small trees under the most likely leaves of those before it. A step whose leaves the walk
+reaches continues one step time Delta later instead of a ring later; one it does not reach costs a fresh
+round. A two-state chain (fresh, continuing) gives the rate in closed form: with c_f and c_c the chances
+that the walk reaches a leaf the next step extends (from a fresh tree, from a continuation), the
+stationary shares are pi_F = (1 - c_c) / (1 - c_c + c_f) and pi_C = 1 - pi_F, and
+
+    rate = (pi_F (E_F - c_f) + pi_C (E_C - c_c)) / (pi_F T_F + pi_C Delta),  Delta = max(t_draft, T_C / D)
+
+(a reached leaf's token is the next step's to verify, so it leaves the round's count). D = 1 gives the
+serial rate E_F / T_F.
+
 Pure: no torch, no networking.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 MAX_DEPTH = 32
 MAX_WIDTH = 4
 MAX_TREE_NODES = 64
+MAX_IN_FLIGHT = 8  # pipelined steps around the ring at once
+HANGS = (1, 2, 4)  # leaves a continuation step may extend
 # Acceptance before any round is measured: a draft paired with its target usually agrees about half
 # the time; later candidates at a node are accepted far less often than the first.
 PRIOR_FIRST, PRIOR_LATER, PRIOR_WEIGHT = 0.5, 0.15, 2.0
@@ -143,14 +160,96 @@ def candidate_shapes(depth: int | None = None, width: int | None = None,
                     yield shape
 
 
+def candidate_probs(stats: AcceptanceStats, depth: int, width: int) -> list[float]:
+    """The chance the target's token is exactly candidate i (i < width) at `depth`, given the node is reached."""
+    out, miss = [], 1.0
+    for i in range(width):
+        r = stats.rate(depth, i)
+        out.append(miss * r)
+        miss *= 1.0 - r
+    return out
+
+
+def leaf_reach(shape: TreeShape, stats: AcceptanceStats, top: int) -> float:
+    """The chance the walk reaches one of the `top` likeliest full-depth leaves of `shape`."""
+    levels = [sorted(candidate_probs(stats, d, w), reverse=True) for d, w in enumerate(shape.widths, start=1)]
+    if not levels:
+        return 0.0
+    # the `top` largest products of one factor per level, best-first
+    best: list[float] = []
+    heap = [(-math.prod(level[0] for level in levels), (0,) * len(levels))]
+    seen = {heap[0][1]}
+    while heap and len(best) < top:
+        neg, idx = heapq.heappop(heap)
+        best.append(-neg)
+        for d in range(len(levels)):
+            nxt = idx[:d] + (idx[d] + 1,) + idx[d + 1:]
+            if nxt[d] < len(levels[d]) and nxt not in seen:
+                seen.add(nxt)
+                heapq.heappush(heap, (-math.prod(levels[k][i] for k, i in enumerate(nxt)), nxt))
+    return sum(best)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How speculation runs: `depth` steps in flight (1: serial rounds), each fresh round a `fresh` tree,
+    each continuation `more` trees hung under the `hangs` likeliest leaves; `rate` the predicted tokens/s."""
+
+    depth: int
+    fresh: TreeShape
+    more: TreeShape
+    hangs: int
+    rate: float
+    serial_rate: float
+
+    def as_json(self) -> dict[str, object]:
+        return {"in_flight": self.depth, "fresh": list(self.fresh.widths), "more": list(self.more.widths),
+                "hangs": self.hangs, "rate": round(self.rate, 3), "serial_rate": round(self.serial_rate, 3)}
+
+
+def continuation_seconds(more: TreeShape, hangs: int, costs: RoundCosts) -> tuple[float, float]:
+    """A continuation step's time around the ring, and the least time between two of them (its drafts,
+    one re-read and `more.depth` levels per leaf, and its tokens' share of the links)."""
+    tokens = hangs * more.nodes
+    t_draft = hangs * (more.depth + 1) * costs.draft_level_s + costs.per_token_s * tokens
+    return costs.fixed_s + costs.per_token_s * tokens, t_draft
+
+
+def pipelined_rate(fresh: TreeShape, more: TreeShape, hangs: int, depth: int, stats: AcceptanceStats,
+                   costs: RoundCosts, hits: list[list[float]] | None = None) -> float:
+    """Tokens per second in the steady state (the module's closed form)."""
+    hits = hits or stats.hits()
+    t_fresh, e_fresh = round_seconds(fresh, costs), expected_tokens(fresh, stats, hits)
+    if depth <= 1:
+        return e_fresh / t_fresh
+    c_f, c_c = leaf_reach(fresh, stats, hangs), leaf_reach(more, stats, hangs)
+    t_more, t_draft = continuation_seconds(more, hangs, costs)
+    delta = max(t_draft, t_more / depth)
+    pi_f = (1 - c_c) / (1 - c_c + c_f)
+    pi_c = 1 - pi_f
+    e_more = expected_tokens(more, stats, hits)
+    return (pi_f * (e_fresh - c_f) + pi_c * (e_more - c_c)) / (pi_f * t_fresh + pi_c * delta)
+
+
+def continuation_shapes(max_nodes: int) -> Iterator[TreeShape]:
+    """Small trees a continuation hangs under a leaf: chains, or w candidates first then a chain."""
+    for k in range(1, 13):
+        for w, j in itertools.chain([(1, k)], ((w, j) for w in range(2, MAX_WIDTH + 1) for j in (1, 2) if j <= k)):
+            shape = TreeShape((w,) * j + (1,) * (k - j), max_nodes)
+            if shape.full_nodes <= max_nodes:
+                yield shape
+
+
 @dataclass
 class Tuner:
-    """Picks the shape with the best expected tokens per second; `depth`/`width` pin either."""
+    """Picks the shape with the best expected tokens per second; `depth`/`width` pin either, `in_flight` the
+    steps a pipelined plan keeps in flight (pinned with a shape: that shape under the 2 likeliest leaves)."""
 
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     costs: RoundCosts = field(default_factory=RoundCosts)
     depth: int | None = None
     width: int | None = None
+    in_flight: int | None = None
 
     def choose(self) -> TreeShape:
         hits = self.stats.hits()
@@ -162,6 +261,34 @@ class Tuner:
 
     def link_bound(self) -> bool:
         return self.costs.per_token_s * MAX_TREE_NODES > self.costs.fixed_s
+
+    def plan(self, max_in_flight: int = MAX_IN_FLIGHT, margin: float = 1.05) -> Plan:
+        """Serial rounds of the best tree, or pipelined steps when the closed form says they win by `margin`:
+        the most steps in flight that still shorten the time between them, and the continuation (trees and
+        how many leaves they hang under) with the best rate. Pipelining loses on short rings (Delta is not
+        much below a round), at low acceptance (continuations are rarely reached) and on slow links (every
+        continuation's tokens cross every hop)."""
+        fresh = self.choose()
+        hits = self.stats.hits()
+        serial = pipelined_rate(fresh, fresh, 1, 1, self.stats, self.costs, hits)
+        best = Plan(1, fresh, fresh, 1, serial, serial)
+        pinned = self.in_flight
+        if pinned is not None and (self.depth is not None or self.width is not None):
+            d = min(pinned, max_in_flight)
+            return Plan(d, fresh, fresh, 2, pipelined_rate(fresh, fresh, 2, d, self.stats, self.costs, hits), serial)
+        if max_in_flight <= 1 or pinned == 1 or self.depth is not None or self.width is not None:
+            return best  # a pinned shape alone is a serial comparison
+        if pinned:
+            best = Plan(pinned, fresh, fresh, 1, 0.0, serial)
+        for hangs in HANGS:
+            for more in continuation_shapes(MAX_TREE_NODES // hangs):
+                t_more, t_draft = continuation_seconds(more, hangs, self.costs)
+                depth = pinned or max(2, math.ceil(t_more / max(t_draft, 1e-6)))
+                depth = min(depth, max_in_flight)
+                r = pipelined_rate(fresh, more, hangs, depth, self.stats, self.costs, hits)
+                if r > best.rate:
+                    best = Plan(depth, fresh, more, hangs, r, serial)
+        return best if best.rate >= margin * serial or pinned else Plan(1, fresh, fresh, 1, serial, serial)
 
 
 @dataclass

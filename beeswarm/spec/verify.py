@@ -33,20 +33,10 @@ class Verdict:
 
 def verify(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
            generator: torch.Generator | None = None) -> Verdict:
-    return (verify_greedy if params.greedy else verify_sampling)(tree, target_logits, params, generator)
-
-
-def verify_greedy(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
-                  generator: torch.Generator | None = None) -> Verdict:
+    """Walk the tree from the root, judging each reached node with the target's logits after it."""
     verdict, node, depth = Verdict([], 0), ROOT, 1
     while True:
-        token = int(target_logits(node).argmax())
-        candidates = tree.candidates.get(node, [])
-        for i, c in enumerate(candidates):
-            verdict.trials.append((depth, i, c == token))
-            if c == token:
-                break
-        child = tree.child(node, token)
+        child, token = judge(tree, node, target_logits(node), params, generator, depth, verdict.trials)
         if child is None:
             verdict.bonus = token
             return verdict
@@ -54,31 +44,34 @@ def verify_greedy(tree: DraftTree, target_logits: TargetLogits, params: Sampling
         node, depth = child, depth + 1
 
 
-def verify_sampling(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
-                    generator: torch.Generator | None = None) -> Verdict:
-    verdict, node, depth = Verdict([], 0), ROOT, 1
-    while True:
-        p = probabilities(target_logits(node), params)
-        q = tree.dists.get(node)
-        accepted = None
-        for i, x in enumerate(tree.candidates.get(node, [])):
-            assert q is not None, "a node's candidates are drawn from its distribution: both are stored"
-            u = float(torch.rand((), generator=generator))
-            ok = u * float(q[x]) < float(p[x])
-            verdict.trials.append((depth, i, ok))
-            if ok:
-                accepted = x
+def judge(tree: DraftTree, node: int, logits: torch.Tensor, params: SamplingParams,
+          generator: torch.Generator | None = None, depth: int = 1,
+          trials: list[tuple[int, int, bool]] | None = None) -> tuple[int | None, int]:
+    """One node of the walk: (the accepted child, its token), or (None, the target's own token) when no
+    candidate at `node` passes. `trials` gets (depth, candidate index, accepted) for each candidate tried."""
+    trials = trials if trials is not None else []
+    candidates = tree.candidates.get(node, [])
+    if params.greedy:
+        token = int(logits.argmax())
+        for i, c in enumerate(candidates):
+            trials.append((depth, i, c == token))
+            if c == token:
                 break
-            residual = (p - q).clamp_(min=0)
-            total = float(residual.sum())
-            if total <= 0:  # p == q up to rounding: a rejection had probability ~0; keep p
-                continue
-            p = residual / total
-        if accepted is None:
-            verdict.bonus = int(torch.multinomial(p, 1, generator=generator))
-            return verdict
-        child = tree.child(node, accepted)
-        assert child is not None, "every candidate is added to the tree as a child of its node"
-        node = child
-        verdict.path.append(node)
-        depth += 1
+        return tree.child(node, token), token
+    p = probabilities(logits, params)
+    q = tree.dists.get(node)
+    for i, x in enumerate(candidates):
+        assert q is not None, "a node's candidates are drawn from its distribution: both are stored"
+        u = float(torch.rand((), generator=generator))
+        ok = u * float(q[x]) < float(p[x])
+        trials.append((depth, i, ok))
+        if ok:
+            child = tree.child(node, x)
+            assert child is not None, "every candidate is added to the tree as a child of its node"
+            return child, x
+        residual = (p - q).clamp_(min=0)
+        total = float(residual.sum())
+        if total <= 0:  # p == q up to rounding: a rejection had probability ~0; keep p
+            continue
+        p = residual / total
+    return None, int(torch.multinomial(p, 1, generator=generator))
