@@ -74,7 +74,8 @@ class StatusReport:
         return {
             "members": [{"peer": m.peer, "role": m.role, "state": m.state,
                          "spans": [[s.start, s.end] for s in m.spans], "device": m.device,
-                         "tokens_per_s": round(m.tokens_per_s, 2), "busy": m.busy, "heartbeat_age_s": round(m.heartbeat_age_s, 2),
+                         "tokens_per_s": round(m.tokens_per_s, 2), "busy": m.busy,
+                         "heartbeat_age_s": round(m.heartbeat_age_s, 2),
                          "version": m.version, "coordinator": m.coordinator} for m in self.members],
             "num_layers": self.num_layers,
             "coverage": list(self.coverage),
@@ -189,7 +190,8 @@ def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], pl
     num_layers = max((s.end for s in planned or announced), default=0)
     members = tuple(MemberRow(peer=peer, role=info.role, state=info.state,
                               spans=info.spans or ((info.layers,) if info.layers else ()), device=info.device,
-                              tokens_per_s=info.load, busy=info.busy, heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
+                              tokens_per_s=info.load, busy=info.busy,
+                              heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
                               version=info.version, coordinator=peer == coordinator)
                     for peer, info in sorted(view.items(), key=lambda kv: _order(kv[1])))
     return StatusReport(members, num_layers, _segments(num_layers, serving), coordinator, term, epoch, plan)
