@@ -77,7 +77,8 @@ def test_greedy_speculation_equals_plain_greedy(tinycode, tuner):
     session = tinycode.open(capacity)
     report = SpecReport()
     spec = speculative_generate(lambda t, s, m, k: tinycode.forward(session, t, s, m, k), draft(tinycode), PROMPT,
-                                60, GREEDY, tuner, report=report, max_length=capacity, max_in_flight=8)
+                                60, GREEDY, tuner, report=report, max_length=capacity,
+                                max_in_flight=tuner.in_flight or 1)
     tinycode.close(session)
     assert spec.tokens == plain.tokens
     assert report.rounds < 59  # some rounds committed more than one token

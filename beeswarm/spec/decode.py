@@ -28,8 +28,11 @@ from beeswarm.decoding.generate import Generation
 from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, sample
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tree import ROOT, DraftTree
-from beeswarm.spec.tuner import MAX_TREE_NODES, CostMeter, Plan, TreeShape, Tuner
+from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, CostMeter, Plan, TreeShape, Tuner
 from beeswarm.spec.verify import judge
+
+MAX_CANDIDATES = 8  # at one node, widening included
+REPLAN_STEPS = 4  # a plan holds for at least this many steps (one is a few ms of the tuner's)
 
 # (token ids, start, tree mask or None, keep (start, indices) or None) -> logits for those ids
 TargetForward = Callable[[torch.Tensor, int, torch.Tensor | None, tuple[int, list[int]] | None], torch.Tensor]
@@ -120,11 +123,10 @@ class _Speculation:
         self.slots: dict[int, int] = {}  # node -> its position in the stages' KV, for nodes sent past `base`
         self.kv_end = base  # the stages' KV length once every step sent has run
         self.rows: dict[int, torch.Tensor] = {}  # the target's logits after each node whose result arrived
-        # an expanded node's candidates' depth in the tree they were drafted in (the tuner's statistics)
-        self.level: dict[int, int] = {}
+        self.level = {self.at: 0}  # a node's depth below the last fresh round's root (the tuner's statistics)
         self.prob: dict[int, float] = {}  # the draft's probability of a drafted node given its parent
         self.flight: collections.deque[_Step] = collections.deque()
-        self.plan = tuner.plan(max_in_flight)
+        self.plan, self.planned = tuner.plan(max_in_flight), report.steps  # and the steps sent then
 
     # the walk ----------------------------------------------------------------------------------
     def advance(self) -> bool:
@@ -136,14 +138,14 @@ class _Speculation:
                 logits = penalize(logits, seen, self.params.repetition_penalty)
             trials: list[tuple[int, int, bool]] = []
             child, token = judge(self.tree, self.at, logits, self.params, self.generator,
-                                 self.level.get(self.at, 1), trials)
+                                 min(self.level[self.at] + 1, MAX_DEPTH), trials)
             for depth, candidate, ok in trials:
                 self.tuner.stats.record(depth, candidate, ok)
             self.report.tried[-1] += len(trials)
             child = child if child is not None else self.tree.child(self.at, token)
             if child is None:  # the target's own token: a new node, sent with the next step
                 child = self.tree.add(self.at, token)
-                self.fresh = True
+                self.fresh, self.level[child] = True, 0
             else:
                 self.report.accepted[-1] += 1
             self.at = child
@@ -169,36 +171,65 @@ class _Speculation:
         """A fresh round when the walk's node is not sent yet (at the start, after a miss), then continuations
         until `plan.depth` steps are in flight."""
         if self.fresh:
-            self.plan = self.tuner.plan(self.max_in_flight)  # from what the statistics say now
-            self.send([self.at], self.plan.fresh)
+            if self.report.steps >= self.planned + REPLAN_STEPS:  # from what the statistics say now
+                self.plan, self.planned = self.tuner.plan(self.max_in_flight), self.report.steps
+            self.send([(self.at, None)], self.plan.fresh)
         while len(self.flight) < self.plan.depth:
-            hangs = self.leaves(self.plan.hangs)
+            hangs = self.frontier(self.plan.hangs)
             if not hangs or not self.send(hangs, self.plan.more):
                 return
 
-    def leaves(self, count: int) -> list[int]:
-        """The `count` likeliest leaves of the walk's subtree (under the draft) that no step extends yet."""
-        found: list[tuple[float, int]] = []
+    def frontier(self, count: int) -> list[tuple[int, int | None]]:
+        """The `count` likeliest places (under the draft) to speculate further below the walk's node: a leaf no
+        step extends yet (node, None), or a node not judged yet that gets one more candidate (node, token)."""
+        found: list[tuple[float, int, int | None]] = []
         stack = [(self.at, 1.0)]
         while stack:
             node, p = stack.pop()
-            if node not in self.tree.candidates:
-                found.append((p, node))
-            stack += [(child, p * self.prob[child]) for child in self.tree.children(node) if child in self.slots]
-        found.sort(reverse=True)
-        return [node for _, node in found[:count]]
+            children = [c for c in self.tree.children(node) if c in self.slots]
+            dist = self.tree.dists.get(node)
+            if dist is None:
+                found.append((p, node, None))
+            elif len(self.tree.candidates[node]) < MAX_CANDIDATES:
+                # the draft's likeliest token not tried here yet (sampling draws the candidate only once chosen,
+                # so that what is drawn cannot decide whether it is used)
+                top = dist.topk(min(len(dist), len(children) + 1))
+                token = next(int(t) for t in top.indices if self.tree.child(node, int(t)) is None)
+                found.append((p * float(dist[token]), node, token))
+            stack += [(c, p * self.prob[c]) for c in children]
+        found.sort(key=lambda f: -f[0])
+        return [(node, token) for _, node, token in found[:count]]
 
-    def send(self, hangs: list[int], shape: TreeShape) -> bool:
-        """One step: the trees drafted under `hangs` (and the walk's node first when it is not sent yet)."""
+    def widen(self, node: int, token: int) -> int | None:
+        """One more candidate at `node` (greedy: `token`; sampling: a fresh draw); its new child, if any."""
+        if not self.params.greedy:
+            token = int(torch.multinomial(self.tree.dists[node], 1, generator=self.generator))
+        self.tree.candidates[node].append(token)
+        if self.tree.child(node, token) is not None:
+            return None  # a repeat draw: tried again at verification, nothing new to compute
+        child = self.tree.add(node, token)
+        self.prob[child], self.level[child] = float(self.tree.dists[node][token]), self.level[node] + 1
+        return child
+
+    def send(self, hangs: list[tuple[int, int | None]], shape: TreeShape) -> bool:
+        """One step: trees drafted under `hangs` (a new candidate first where one is named), and the walk's node
+        first when it is not in the stages' KV yet."""
         keep, window = self.compact()
         rows = [self.at] if self.fresh else []
-        budget = len(hangs) * MAX_TREE_NODES
+        budget = len(hangs) * (MAX_TREE_NODES + 1)
         if self.max_length is not None:
             budget = min(budget, self.max_length - self.kv_end - len(rows))
         t0 = time.perf_counter()
-        for hang in hangs:
-            if budget <= 0:
+        for hang, token in hangs:
+            if budget <= 1:
                 break
+            if token is not None:
+                new = self.widen(hang, token)
+                if new is None:
+                    continue
+                hang = new
+                rows.append(hang)
+                budget -= 1
             sub = TreeShape(shape.widths, min(shape.max_nodes, budget), shape.min_path_prob)
             added = self.graft(hang, self.draft.propose(self.committed + self.path_tokens(hang), sub, self.params,
                                                         self.generator))
@@ -213,7 +244,7 @@ class _Speculation:
             while node in col:
                 mask[i, col[node]] = True
                 node = self.tree.parents[node]
-        start = self.kv_end
+        start, sent = self.kv_end, time.perf_counter()
         handle = self.target.submit(torch.tensor([self.tree.tokens[n] for n in rows]), start, mask, keep)
         for i, node in enumerate(rows):
             self.slots[node] = start + i
@@ -223,7 +254,7 @@ class _Speculation:
         self.report.rows_sent += len(rows)
         self.report.in_flight[len(self.flight) + 1] += 1
         self.report.shapes[shape.widths] += 1
-        self.flight.append(_Step(handle, rows, time.perf_counter(), draft_s, shape.depth * len(hangs)))
+        self.flight.append(_Step(handle, rows, sent, draft_s, shape.depth * len(hangs)))
         return True
 
     def graft(self, hang: int, sub: DraftTree) -> list[int]:
@@ -232,9 +263,9 @@ class _Speculation:
         for i, (token, parent) in enumerate(zip(sub.tokens, sub.parents, strict=True)):
             ids[i] = self.tree.add(ids[parent], token)
             self.prob[ids[i]] = float(sub.dists[parent][token])
+            self.level[ids[i]] = self.level[ids[parent]] + 1
         for node, cands in sub.candidates.items():
-            self.tree.candidates[ids[node]], self.tree.dists[ids[node]] = cands, sub.dists[node]
-            self.level[ids[node]] = 1 if node == ROOT else sub.depths[node] + 1
+            self.tree.candidates[ids[node]], self.tree.dists[ids[node]] = list(cands), sub.dists[node]
         return [ids[i] for i in range(len(sub.tokens))]
 
     def path_tokens(self, node: int) -> list[int]:
@@ -252,10 +283,12 @@ class _Speculation:
         committed = [n for n in sent if n in self.spine]
         live = [n for n in sent if n not in self.spine and self.alive(n)]
         offsets = [self.slots[n] - self.base for n in committed + live]
+        kept = set(live) | {self.at}
         keep = None if offsets == list(range(self.kv_end - self.base)) else (self.base, offsets)
         for node in sent:
             del self.slots[node]
-        kept = set(live) | {self.at}
+            if node not in kept:
+                self.prob.pop(node, None), self.level.pop(node, None)
         for node in [n for n in self.tree.candidates if n not in kept]:
             del self.tree.candidates[node], self.tree.dists[node]  # never judged: free their distributions
         self.rows = {n: r for n, r in self.rows.items() if n in kept}

@@ -16,6 +16,8 @@ stationary shares are pi_F = (1 - c_c) / (1 - c_c + c_f) and pi_C = 1 - pi_F, an
 
     rate = (pi_F (E_F - c_f) + pi_C (E_C - c_c)) / (pi_F T_F + pi_C Delta),  Delta = max(t_draft, T_C / D)
 
+(`Rates.rate`)
+
 (a reached leaf's token is the next step's to verify, so it leaves the round's count). D = 1 gives the
 serial rate E_F / T_F.
 
@@ -33,7 +35,7 @@ MAX_DEPTH = 32
 MAX_WIDTH = 4
 MAX_TREE_NODES = 64
 MAX_IN_FLIGHT = 8  # pipelined steps around the ring at once
-HANGS = (1, 2, 4)  # leaves a continuation step may extend
+HANGS = (1, 2, 4, 8)  # places (leaves, new candidates) a continuation step extends
 # Acceptance before any round is measured: a draft paired with its target usually agrees about half
 # the time; later candidates at a node are accepted far less often than the first.
 PRIOR_FIRST, PRIOR_LATER, PRIOR_WEIGHT = 0.5, 0.15, 2.0
@@ -160,34 +162,65 @@ def candidate_shapes(depth: int | None = None, width: int | None = None,
                     yield shape
 
 
-def candidate_probs(stats: AcceptanceStats, depth: int, width: int) -> list[float]:
-    """The chance the target's token is exactly candidate i (i < width) at `depth`, given the node is reached."""
-    out, miss = [], 1.0
-    for i in range(width):
-        r = stats.rate(depth, i)
-        out.append(miss * r)
-        miss *= 1.0 - r
-    return out
+class Rates:
+    """Expected tokens, leaf reach and rates of shapes under one snapshot of the statistics (cached: a plan
+    weighs a few hundred combinations)."""
 
+    def __init__(self, stats: AcceptanceStats, costs: RoundCosts):
+        self.stats, self.costs, self.hits = stats, costs, stats.hits()
+        self._probs: dict[tuple[int, int], list[float]] = {}
+        self._reach: dict[tuple[tuple[int, ...], int], float] = {}
+        self._tokens: dict[tuple[int, ...], float] = {}
 
-def leaf_reach(shape: TreeShape, stats: AcceptanceStats, top: int) -> float:
-    """The chance the walk reaches one of the `top` likeliest full-depth leaves of `shape`."""
-    levels = [sorted(candidate_probs(stats, d, w), reverse=True) for d, w in enumerate(shape.widths, start=1)]
-    if not levels:
-        return 0.0
-    # the `top` largest products of one factor per level, best-first
-    best: list[float] = []
-    heap = [(-math.prod(level[0] for level in levels), (0,) * len(levels))]
-    seen = {heap[0][1]}
-    while heap and len(best) < top:
-        neg, idx = heapq.heappop(heap)
-        best.append(-neg)
-        for d in range(len(levels)):
-            nxt = idx[:d] + (idx[d] + 1,) + idx[d + 1:]
-            if nxt[d] < len(levels[d]) and nxt not in seen:
-                seen.add(nxt)
-                heapq.heappush(heap, (-math.prod(levels[k][i] for k, i in enumerate(nxt)), nxt))
-    return sum(best)
+    def tokens(self, shape: TreeShape) -> float:
+        if shape.widths not in self._tokens:
+            self._tokens[shape.widths] = expected_tokens(shape, self.stats, self.hits)
+        return self._tokens[shape.widths]
+
+    def probs(self, depth: int, width: int) -> list[float]:
+        """The chance the target's token is exactly each of `width` candidates at `depth`, likeliest first."""
+        key = (depth, width)
+        if key not in self._probs:
+            out, miss = [], 1.0
+            for i in range(width):
+                r = self.stats.rate(depth, i)
+                out.append(miss * r)
+                miss *= 1.0 - r
+            self._probs[key] = sorted(out, reverse=True)
+        return self._probs[key]
+
+    def reach(self, shape: TreeShape, top: int) -> float:
+        """The chance the walk reaches one of the `top` likeliest full-depth leaves of `shape`."""
+        key = (shape.widths, top)
+        if key not in self._reach:
+            levels = [self.probs(d, w) for d, w in enumerate(shape.widths, start=1)]
+            # the `top` largest products of one factor per level, best-first
+            best: list[float] = []
+            heap = [(-math.prod(level[0] for level in levels), (0,) * len(levels))]
+            seen = {heap[0][1]}
+            while heap and len(best) < top:
+                neg, idx = heapq.heappop(heap)
+                best.append(-neg)
+                for d in range(len(levels)):
+                    nxt = idx[:d] + (idx[d] + 1,) + idx[d + 1:]
+                    if nxt[d] < len(levels[d]) and nxt not in seen:
+                        seen.add(nxt)
+                        heapq.heappush(heap, (-math.prod(levels[k][i] for k, i in enumerate(nxt)), nxt))
+            self._reach[key] = sum(best)
+        return self._reach[key]
+
+    def rate(self, fresh: TreeShape, more: TreeShape, hangs: int, depth: int) -> float:
+        """Tokens per second in the steady state (the module's closed form); depth 1: serial rounds."""
+        t_fresh, e_fresh = round_seconds(fresh, self.costs), self.tokens(fresh)
+        if depth <= 1:
+            return e_fresh / t_fresh
+        c_f, c_c = self.reach(fresh, hangs), self.reach(more, hangs)
+        t_more, t_draft = continuation_seconds(more, hangs, self.costs)
+        delta = max(t_draft, t_more / depth)
+        pi_f = (1 - c_c) / (1 - c_c + c_f)
+        pi_c = 1 - pi_f
+        e_more = self.tokens(more)
+        return (pi_f * (e_fresh - c_f) + pi_c * (e_more - c_c)) / (pi_f * t_fresh + pi_c * delta)
 
 
 @dataclass(frozen=True)
@@ -215,22 +248,6 @@ def continuation_seconds(more: TreeShape, hangs: int, costs: RoundCosts) -> tupl
     return costs.fixed_s + costs.per_token_s * tokens, t_draft
 
 
-def pipelined_rate(fresh: TreeShape, more: TreeShape, hangs: int, depth: int, stats: AcceptanceStats,
-                   costs: RoundCosts, hits: list[list[float]] | None = None) -> float:
-    """Tokens per second in the steady state (the module's closed form)."""
-    hits = hits or stats.hits()
-    t_fresh, e_fresh = round_seconds(fresh, costs), expected_tokens(fresh, stats, hits)
-    if depth <= 1:
-        return e_fresh / t_fresh
-    c_f, c_c = leaf_reach(fresh, stats, hangs), leaf_reach(more, stats, hangs)
-    t_more, t_draft = continuation_seconds(more, hangs, costs)
-    delta = max(t_draft, t_more / depth)
-    pi_f = (1 - c_c) / (1 - c_c + c_f)
-    pi_c = 1 - pi_f
-    e_more = expected_tokens(more, stats, hits)
-    return (pi_f * (e_fresh - c_f) + pi_c * (e_more - c_c)) / (pi_f * t_fresh + pi_c * delta)
-
-
 def continuation_shapes(max_nodes: int) -> Iterator[TreeShape]:
     """Small trees a continuation hangs under a leaf: chains, or w candidates first then a chain."""
     for k in range(1, 13):
@@ -238,6 +255,9 @@ def continuation_shapes(max_nodes: int) -> Iterator[TreeShape]:
             shape = TreeShape((w,) * j + (1,) * (k - j), max_nodes)
             if shape.full_nodes <= max_nodes:
                 yield shape
+
+
+CONTINUATIONS = {hangs: tuple(continuation_shapes(MAX_TREE_NODES // hangs)) for hangs in HANGS}
 
 
 @dataclass
@@ -269,25 +289,25 @@ class Tuner:
         much below a round), at low acceptance (continuations are rarely reached) and on slow links (every
         continuation's tokens cross every hop)."""
         fresh = self.choose()
-        hits = self.stats.hits()
-        serial = pipelined_rate(fresh, fresh, 1, 1, self.stats, self.costs, hits)
+        rates = Rates(self.stats, self.costs)
+        serial = rates.rate(fresh, fresh, 1, 1)
         best = Plan(1, fresh, fresh, 1, serial, serial)
         pinned = self.in_flight
         if pinned is not None and (self.depth is not None or self.width is not None):
             d = min(pinned, max_in_flight)
-            return Plan(d, fresh, fresh, 2, pipelined_rate(fresh, fresh, 2, d, self.stats, self.costs, hits), serial)
+            return Plan(d, fresh, fresh, 2, rates.rate(fresh, fresh, 2, d), serial)
         if max_in_flight <= 1 or pinned == 1 or self.depth is not None or self.width is not None:
             return best  # a pinned shape alone is a serial comparison
         if pinned:
             best = Plan(pinned, fresh, fresh, 1, 0.0, serial)
         for hangs in HANGS:
-            for more in continuation_shapes(MAX_TREE_NODES // hangs):
+            for more in CONTINUATIONS[hangs]:
                 t_more, t_draft = continuation_seconds(more, hangs, self.costs)
-                depth = pinned or max(2, math.ceil(t_more / max(t_draft, 1e-6)))
-                depth = min(depth, max_in_flight)
-                r = pipelined_rate(fresh, more, hangs, depth, self.stats, self.costs, hits)
-                if r > best.rate:
-                    best = Plan(depth, fresh, more, hangs, r, serial)
+                depth = min(pinned or max(2, math.ceil(t_more / max(t_draft, 1e-6))), max_in_flight)
+                for first in fresh, more:  # a shallower fresh tree is reached, and continued, more often
+                    r = rates.rate(first, more, hangs, depth)
+                    if r > best.rate:
+                        best = Plan(depth, first, more, hangs, r, serial)
         return best if best.rate >= margin * serial or pinned else Plan(1, fresh, fresh, 1, serial, serial)
 
 
