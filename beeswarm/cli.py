@@ -81,13 +81,16 @@ def _add_spec(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-depth", default="auto", metavar="K|auto", help="draft tree depth (default: tuned)")
     p.add_argument("--spec-width", default="auto", metavar="W|auto",
                    help="children per tree node, 1 for a chain (default: tuned)")
+    p.add_argument("--spec-in-flight", default="auto", metavar="D|auto",
+                   help="speculative steps kept in flight around the ring, 1 for serial rounds (default: tuned, "
+                        "pipelined only where it measures faster)")
 
 
 def _speculation(args, entry):
-    """(draft model or None, tuner) from --no-spec / --draft / --spec-depth / --spec-width."""
+    """(draft model or None, tuner) from --no-spec / --draft / --spec-depth / --spec-width / --spec-in-flight."""
     from beeswarm.shard.errors import ShardError
     from beeswarm.spec.draft import DraftModel, draft_ref
-    from beeswarm.spec.tuner import MAX_DEPTH, MAX_WIDTH, Tuner
+    from beeswarm.spec.tuner import MAX_DEPTH, MAX_IN_FLIGHT, MAX_WIDTH, Tuner
 
     def pinned(value: str, flag: str, most: int) -> int | None:
         if value == "auto":
@@ -97,7 +100,8 @@ def _speculation(args, entry):
         return int(value)
 
     tuner = Tuner(depth=pinned(args.spec_depth, "--spec-depth", MAX_DEPTH),
-                  width=pinned(args.spec_width, "--spec-width", MAX_WIDTH))
+                  width=pinned(args.spec_width, "--spec-width", MAX_WIDTH),
+                  in_flight=pinned(args.spec_in_flight, "--spec-in-flight", MAX_IN_FLIGHT))
     ref = None if args.no_spec else draft_ref(args.model, args.draft)
     if ref is None:
         return None, tuner

@@ -32,7 +32,7 @@ from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, CostMeter, Plan, Tree
 from beeswarm.spec.verify import judge
 
 MAX_CANDIDATES = 8  # at one node, widening included
-REPLAN_STEPS = 4  # a plan holds for at least this many steps (one is a few ms of the tuner's)
+REPLAN_S = 1.0  # a plan holds this long at least (planning takes a few ms), re-planned at a fresh round
 
 # (token ids, start, tree mask or None, keep (start, indices) or None) -> logits for those ids
 TargetForward = Callable[[torch.Tensor, int, torch.Tensor | None, tuple[int, list[int]] | None], torch.Tensor]
@@ -126,7 +126,8 @@ class _Speculation:
         self.level = {self.at: 0}  # a node's depth below the last fresh round's root (the tuner's statistics)
         self.prob: dict[int, float] = {}  # the draft's probability of a drafted node given its parent
         self.flight: collections.deque[_Step] = collections.deque()
-        self.plan, self.planned = tuner.plan(max_in_flight), report.steps  # and the steps sent then
+        self.plan = tuner.plan(max_in_flight)
+        self.planned = (time.perf_counter(), len(self.committed))  # when, and the tokens committed then
 
     # the walk ----------------------------------------------------------------------------------
     def advance(self) -> bool:
@@ -171,13 +172,21 @@ class _Speculation:
         """A fresh round when the walk's node is not sent yet (at the start, after a miss), then continuations
         until `plan.depth` steps are in flight."""
         if self.fresh:
-            if self.report.steps >= self.planned + REPLAN_STEPS:  # from what the statistics say now
-                self.plan, self.planned = self.tuner.plan(self.max_in_flight), self.report.steps
+            if time.perf_counter() - self.planned[0] >= REPLAN_S:
+                self.replan()
             self.send([(self.at, None)], self.plan.fresh)
         while len(self.flight) < self.plan.depth:
             hangs = self.frontier(self.plan.hangs)
             if not hangs or not self.send(hangs, self.plan.more):
                 return
+
+    def replan(self, again: bool = True) -> None:
+        """Plan again from what the statistics say now; a pipelined plan's measured rate calibrates the next."""
+        (t0, n0), now = self.planned, time.perf_counter()
+        if self.plan.depth > 1 and now - t0 >= REPLAN_S / 2:
+            self.tuner.observe_pipelined(self.plan.model_rate, (len(self.committed) - n0) / (now - t0))
+        if again:
+            self.plan, self.planned = self.tuner.plan(self.max_in_flight), (now, len(self.committed))
 
     def frontier(self, count: int) -> list[tuple[int, int | None]]:
         """The `count` likeliest places (under the draft) to speculate further below the walk's node: a leaf no
@@ -363,6 +372,7 @@ def speculative_generate(target: TargetForward | Target, draft: DraftModel, prom
             going = spec.advance()
     finally:
         spec.discard_all()
+    spec.replan(again=False)
     report.plan = spec.plan
     report.acceptance_by_depth = tuner.stats.by_depth()
     draft.close()

@@ -35,6 +35,7 @@ MAX_DEPTH = 32
 MAX_WIDTH = 4
 MAX_TREE_NODES = 64
 MAX_IN_FLIGHT = 8  # pipelined steps around the ring at once
+RETRY_PIPELINED = 30  # serial plans in a row before a pipelined one is tried again
 HANGS = (1, 2, 4, 8)  # places (leaves, new candidates) a continuation step extends
 # Acceptance before any round is measured: a draft paired with its target usually agrees about half
 # the time; later candidates at a node are accepted far less often than the first.
@@ -214,9 +215,12 @@ class Rates:
         t_fresh, e_fresh = round_seconds(fresh, self.costs), self.tokens(fresh)
         if depth <= 1:
             return e_fresh / t_fresh
-        c_f, c_c = self.reach(fresh, hangs), self.reach(more, hangs)
         t_more, t_draft = continuation_seconds(more, hangs, self.costs)
         delta = max(t_draft, t_more / depth)
+        # The walk is a ring behind the drafting: the frontier the `hangs` extend spans the subtrees of every
+        # step in flight, so the one the walk will take gets about a share of them.
+        shared = max(1, round(hangs / min(depth, math.ceil(t_more / delta))))
+        c_f, c_c = self.reach(fresh, hangs), self.reach(more, shared)
         pi_f = (1 - c_c) / (1 - c_c + c_f)
         pi_c = 1 - pi_f
         e_more = self.tokens(more)
@@ -234,6 +238,7 @@ class Plan:
     hangs: int
     rate: float
     serial_rate: float
+    model_rate: float = 0.0  # the closed form's, before `Tuner.pipelined_scale`
 
     def as_json(self) -> dict[str, object]:
         return {"in_flight": self.depth, "fresh": list(self.fresh.widths), "more": list(self.more.widths),
@@ -270,6 +275,16 @@ class Tuner:
     depth: int | None = None
     width: int | None = None
     in_flight: int | None = None
+    # measured over predicted tokens/s of pipelined plans (the closed form leaves out the entry's own time
+    # and how its continuations are really placed), and plans since one was last tried
+    pipelined_scale: float = 1.0
+    serial_plans: int = 0
+
+    def observe_pipelined(self, predicted: float, measured: float, alpha: float = 0.3) -> None:
+        """A pipelined plan's rate as it ran."""
+        if predicted > 0:
+            ratio = min(2.0, max(0.05, measured / predicted))
+            self.pipelined_scale += alpha * (ratio - self.pipelined_scale)
 
     def choose(self) -> TreeShape:
         hits = self.stats.hits()
@@ -295,7 +310,8 @@ class Tuner:
         pinned = self.in_flight
         if pinned is not None and (self.depth is not None or self.width is not None):
             d = min(pinned, max_in_flight)
-            return Plan(d, fresh, fresh, 2, rates.rate(fresh, fresh, 2, d), serial)
+            model = rates.rate(fresh, fresh, 2, d)
+            return Plan(d, fresh, fresh, 2, model * self.pipelined_scale, serial, model)
         if max_in_flight <= 1 or pinned == 1 or self.depth is not None or self.width is not None:
             return best  # a pinned shape alone is a serial comparison
         if pinned:
@@ -305,10 +321,17 @@ class Tuner:
                 t_more, t_draft = continuation_seconds(more, hangs, self.costs)
                 depth = min(pinned or max(2, math.ceil(t_more / max(t_draft, 1e-6))), max_in_flight)
                 for first in fresh, more:  # a shallower fresh tree is reached, and continued, more often
-                    r = rates.rate(first, more, hangs, depth)
-                    if r > best.rate:
-                        best = Plan(depth, first, more, hangs, r, serial)
-        return best if best.rate >= margin * serial or pinned else Plan(1, fresh, fresh, 1, serial, serial)
+                    model = rates.rate(first, more, hangs, depth)
+                    if model * self.pipelined_scale > best.rate:
+                        best = Plan(depth, first, more, hangs, model * self.pipelined_scale, serial, model)
+        # Off where it loses, and tried again now and then: acceptance changes with the text, and the scale
+        # learns only while pipelining runs.
+        wins = best.rate >= margin * serial or pinned
+        if best.depth > 1 and (wins or self.serial_plans >= RETRY_PIPELINED):
+            self.serial_plans = 0
+            return best
+        self.serial_plans += 1
+        return Plan(1, fresh, fresh, 1, serial, serial)
 
 
 @dataclass
