@@ -21,7 +21,7 @@ from beeswarm.audit.auditor import Auditor
 from beeswarm.audit.evidence import judge, sign_evidence
 from beeswarm.audit.faults import ENV, Fault, _token_direction
 from beeswarm.audit.retention import LoggedStep, StepLog
-from beeswarm.client.remote import Inbox, RemotePipeline, StageFailed
+from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps, StageFailed
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.stage import StageServer
 from beeswarm.decoding.generate import generate
@@ -36,6 +36,7 @@ from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
 from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.decode import speculative_generate
 from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.tuner import Tuner
 from helpers import reference_greedy, start_contributors, wait_for
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
@@ -93,16 +94,20 @@ def test_an_honest_swarm_passes_every_audit_plain_micro_batched_and_speculative(
         session, tokens = run(pipe, prompt, micro_batches=2)
         sessions.append(session)
         assert tokens == reference_greedy(tiny_llama, prompt, 8)
-    # a speculative generation: tree masks, rollbacks and kept paths are replayed exactly
+    # speculative generations, serial and pipelined (windowed masks, cancelled steps): tree masks, rollbacks
+    # and kept paths are replayed exactly
     draft = DraftModel(str(write_tiny_checkpoint(tmp_path / "draft", "llama", num_layers=1, seed=5)),
                        pipe.entry.config.vocab_size)
-    session = pipe.open(64)
-    sessions.append(session)
-    got = speculative_generate(lambda t, s, mask, keep: pipe.forward(session, t, s, mask, 1, keep), draft,
-                               list(PROMPTS[1]), 12, SamplingParams())
-    pipe.close_session(session)
-    assert got.tokens == reference_greedy(tiny_llama, list(PROMPTS[1]), 12)
-    assert auditor.settle(sessions) == set()
+    for in_flight in 1, 3:
+        session = pipe.open(256)
+        sessions.append(session)
+        target = SessionSteps(pipe, session) if in_flight > 1 else \
+            lambda t, s, mask, keep: pipe.forward(session, t, s, mask, 1, keep)
+        got = speculative_generate(target, draft, list(PROMPTS[1]), 12, SamplingParams(), Tuner(in_flight=in_flight),
+                                   max_length=256, max_in_flight=in_flight)
+        pipe.close_session(session)
+        assert got.tokens == reference_greedy(tiny_llama, list(PROMPTS[1]), 12)
+    assert auditor.settle(sessions) == set(), auditor.caught
     c = auditor.counts
     assert c.run >= 3 * 20 and c.passed == c.run and c.failed == c.refused == 0, c
     assert auditor.sent == [] and auditor.caught == {}

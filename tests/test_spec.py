@@ -157,8 +157,10 @@ def two_tokens(target, draft_table, params, generator, verifier) -> tuple[int, i
         def path(tree: DraftTree, node: int) -> tuple[int, ...]:
             return ctx + tuple(tree.tokens[n] for n in tree.path(node)) if node != ROOT else ctx
 
-        tree = grow_tree(draft_table[ctx], lambda t, nodes: torch.stack([draft_table[path(t, n)] for n in nodes]),
-                         ROUND_SHAPE, params, generator, CONTEXT + list(ctx))
+        tree = DraftTree()
+        grow_tree(tree, [(ROOT, draft_table[ctx])],
+                  lambda t, nodes: torch.stack([draft_table[path(t, n)] for n in nodes]), ROUND_SHAPE, params,
+                  generator, CONTEXT + list(ctx))
         ctx += tuple(verifier(tree, lambda node: target_logits(target, path(tree, node), params), params,
                               generator).tokens(tree))
     return ctx[0], ctx[1]
@@ -244,7 +246,7 @@ class TableTarget:
     def __init__(self, logits_after: Callable[[tuple[int, ...]], torch.Tensor], prompt: list[int]):
         self.logits_after, self.kv = logits_after, list(prompt)
 
-    def submit(self, ids, start, mask, keep):
+    def submit(self, ids, start, mask, keep, cancel=False):
         if keep is not None:
             self.kv[keep[0]:] = [self.kv[keep[0] + i] for i in keep[1]]
         del self.kv[start:]
@@ -279,10 +281,19 @@ class TableDraft:
     def close(self):
         pass
 
-    def propose(self, committed, shape, params, generator=None):
+    def propose_many(self, committed, paths, shape, params, generator=None):
+        tree, ends = DraftTree(), []
+        for path in paths:
+            node = ROOT
+            for token in path:
+                node = tree.child(node, token) if tree.child(node, token) is not None else tree.add(node, token)
+            ends.append(node)
+
         def level(tree, nodes):
             return torch.stack([self.logits_after(tuple(committed + tree.path_tokens(n))) for n in nodes])
-        return grow_tree(self.logits_after(tuple(committed)), level, shape, params, generator, committed)
+        roots = [(end, self.logits_after(tuple(committed + tree.path_tokens(end)))) for end in dict.fromkeys(ends)]
+        grow_tree(tree, roots, level, shape, params, generator, committed)
+        return tree, ends
 
 
 @pytest.fixture(scope="module")

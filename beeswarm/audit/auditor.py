@@ -69,6 +69,7 @@ class Auditor:
         self._commits: dict[str, dict[str, list[Commit]]] = defaultdict(lambda: defaultdict(list))
         self._pending: dict[str, int] = defaultdict(int)  # session -> audits queued or running
         self._caught: dict[str, set[str]] = defaultdict(set)  # session -> stages caught in it
+        self._unobserved: dict[str, set[int]] = defaultdict(set)  # session -> steps sent, results not awaited
         self._done: set[str] = set()  # sessions settled: forgotten once their audits have run
         self._cond = threading.Condition()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -92,6 +93,12 @@ class Auditor:
         for job in drawn:
             self._jobs.put(job)
 
+    def unobserved(self, session: str, step: int) -> None:
+        """The entry sent `step` and will not wait for its result (a cancelled speculative step): a stage
+        that computed it reveals it without a commitment the entry holds."""
+        with self._cond:
+            self._unobserved[session].add(step)
+
     def settle(self, sessions: Sequence[str], timeout: float = SETTLE_S) -> set[str]:
         """Wait for the audits of `sessions` (up to `timeout`); the stages caught in them. The sessions are
         then forgotten (their state dropped once their last audit has run)."""
@@ -106,7 +113,7 @@ class Auditor:
         """(Under the lock.) Forget the settled sessions no audit is still running for."""
         for s in [s for s in self._done if not self._pending.get(s)]:
             self._done.discard(s)
-            for table in (self._commits, self._pending, self._caught):
+            for table in (self._commits, self._pending, self._caught, self._unobserved):
                 table.pop(s, None)
 
     def accuse(self, evidence: Evidence) -> None:
@@ -131,6 +138,7 @@ class Auditor:
     def _audit(self, job: _Job) -> None:
         with self._cond:
             commits = [c for c in self._commits[job.session][job.stage] if c.step <= job.step]
+            unobserved = frozenset(self._unobserved[job.session])
         if job.stage in {p for caught in self._caught.values() for p in caught}:
             return  # caught already
         self.counts.run += 1
@@ -139,7 +147,8 @@ class Auditor:
                                          self._replies, timeout=REVEAL_TIMEOUT_S)
             with torch.inference_mode():
                 finding = examine(self.node.peer_id, commits, revealed, self.runtime_for,
-                                  self.node.config.max_tensor_bytes, complete=True)
+                                  self.node.config.max_tensor_bytes, complete=True,
+                                  unobserved=unobserved)
         except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
             self.counts.refused += 1
             self._caught_in(job, f"refused an audit of step {job.step}: {e}")

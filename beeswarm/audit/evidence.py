@@ -7,7 +7,7 @@ treats it as a refusal, and nobody else hears of it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -66,12 +66,15 @@ def read_reveal(revealed: Revealed, entry: str, max_bytes: int) -> list[LoggedSt
 
 
 def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_for: RuntimeFor,
-            max_bytes: int = codec.DEFAULT_MAX_BYTES, complete: bool = False) -> Finding | None:
+            max_bytes: int = codec.DEFAULT_MAX_BYTES, complete: bool = False,
+            unobserved: Collection[int] = ()) -> Finding | None:
     """What is wrong with a stage's reveal, given its (verified) commitments for the session, or None.
 
     `complete`: `commits` are all the stage's commitments for the session up to the last revealed step
-    (the entry holds them all), so a revealed step without one was made up. A third party cannot know
-    that (the accuser chooses what it hands over), so it only checks the steps it has commitments for.
+    (the entry holds them all), so a revealed step without one was made up, unless it is one of the
+    `unobserved` steps the entry sent and did not wait for (pipelined speculation's cancelled steps). A
+    third party cannot know that (the accuser chooses what it hands over), so it only checks the steps it
+    has commitments for.
     """
     if not commits:
         raise ValueError("nothing to examine: no commitments")
@@ -86,7 +89,7 @@ def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_f
     for s, (ctx, given, sent) in zip(steps, _digests(steps), strict=True):
         found = by_step.get(s.step)
         if found is None:
-            if complete:
+            if complete and s.step not in unobserved:
                 return Finding("contradiction", f"the reveal has a step {s.step} it never committed to")
             continue
         for what, ours, theirs in (("arguments", ctx, found.context), ("input", given, found.input),

@@ -90,8 +90,8 @@ class SessionSteps:
     session: str
 
     def submit(self, ids: torch.Tensor, start: int, mask: torch.Tensor | None,
-               keep: tuple[int, list[int]] | None) -> int:
-        return self.pipe.submit(self.session, ids, start, mask, keep)
+               keep: tuple[int, list[int]] | None, cancel: bool = False) -> int:
+        return self.pipe.submit(self.session, ids, start, mask, keep, cancel)
 
     def collect(self, step: int) -> tuple[torch.Tensor, float]:
         return self.pipe.collect(self.session, step)
@@ -214,13 +214,14 @@ class RemotePipeline:
         return self.entry.logits(hidden)
 
     def submit(self, session: str, token_ids: torch.Tensor, start: int, tree_mask: torch.Tensor | None = None,
-               keep: tuple[int, list[int]] | None = None) -> int:
+               keep: tuple[int, list[int]] | None = None, cancel: bool = False) -> int:
         """Send a step into the push chain without waiting for it; `collect` it later. The stages run a
-        session's steps in the order sent, so several may be in flight (pipelined speculation)."""
+        session's steps in the order sent, so several may be in flight (pipelined speculation); `cancel`: the
+        earlier ones not computed yet are dropped (`discard` them)."""
         if self.mode != "push":
             raise ValueError("steps in flight need the push chain")
         kept = None if keep is None else Keep(keep[0], tuple(keep[1]))
-        return self._send_step(self.route[0], session, self.entry.embed(token_ids), start, tree_mask, kept)
+        return self._send_step(self.route[0], session, self.entry.embed(token_ids), start, tree_mask, kept, cancel)
 
     def collect(self, session: str, step: int) -> tuple[torch.Tensor, float]:
         """A submitted step's logits, and when its result arrived (perf_counter seconds)."""
@@ -231,13 +232,15 @@ class RemotePipeline:
         """A submitted step's result is not wanted: it is dropped when it comes."""
         self._sent.pop((session, step), None)
         self._inbox.wait((session, step), 0)
+        if self.auditor is not None:
+            self.auditor.unobserved(session, step)
 
     def _send_step(self, stage: Stage, session: str, hidden: torch.Tensor, start: int,
-                   tree_mask: torch.Tensor | None, keep: Keep | None) -> int:
+                   tree_mask: torch.Tensor | None, keep: Keep | None, cancel: bool = False) -> int:
         step = next(self._step_ids)
         frame = tensors.encode(hidden, self.links[stage.node], "auto" if self.compress else "raw")
         msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame,
-                   mask=tensors.encode_mask(tree_mask), keep=keep)
+                   mask=tensors.encode_mask(tree_mask), keep=keep, cancel=cancel)
         self._sent[(session, step)] = (commitments.context(start, msg.mask, keep), commitments.digest(hidden))
         self._inbox.expect((session, step))
         try:

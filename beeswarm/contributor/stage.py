@@ -108,8 +108,10 @@ class StageServer:
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
         self.steps = self.tokens = 0  # written by the compute thread only
+        self.skipped = 0  # steps dropped, cancelled by a later one of their session
         self.compute_s = 0.0
         self._queue: queue.Queue[_Step | None] = queue.Queue()
+        self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are dropped
         self._out = ChannelPool(node)
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
         self._codecs: dict[str, codec.LinkCodec] = {}
@@ -194,6 +196,7 @@ class StageServer:
                 self._free_drained()
             if session is None:
                 return ErrorReply(error=f"unknown session {msg.session!r}")
+            self._cancelled.pop(key, None)
             session.runtime.close(key)
             self.step_log.end(key)
             return Closed()
@@ -230,6 +233,7 @@ class StageServer:
                 del self.sessions[s.key]
             self._free_drained()
         for s in stale:
+            self._cancelled.pop(s.key, None)
             log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)
             s.runtime.close(s.key)
             self.step_log.end(s.key)
@@ -239,8 +243,14 @@ class StageServer:
         channel.on_frame = self._on_step_frame
 
     def _on_step_frame(self, channel: Channel, body: bytes) -> None:
-        """In the node's loop: check the step's form and queue it for the compute thread."""
-        self._queue.put(_Step(channel.peer, self._steps.decode(body)))
+        """In the node's loop: check the step's form and queue it for the compute thread. A step that cancels
+        its session's earlier ones (from the session's own previous hop) drops those still queued."""
+        item = _Step(channel.peer, self._steps.decode(body))
+        if item.msg.cancel:
+            session = self.sessions.get(item.key)
+            if session is not None and session.prev == item.sender:
+                self._cancelled[item.key] = item.msg.step
+        self._queue.put(item)
 
     def _compute_loop(self) -> None:
         codec.warm_up()  # calibrate the codec before the first step rather than during it
@@ -252,6 +262,9 @@ class StageServer:
                 continue
             if first is None:
                 return
+            if first.msg.step < self._cancelled.get(first.key, -1):
+                self.skipped += 1
+                continue
             batch, seen = [first], {first.key}
             later: list[_Step] = []
             while len(batch) < MAX_BATCH:
@@ -262,6 +275,9 @@ class StageServer:
                 if item is None:
                     self._queue.put(None)
                     break
+                if item.msg.step < self._cancelled.get(item.key, -1):
+                    self.skipped += 1
+                    continue
                 (later if item.key in seen else batch).append(item)
                 seen.add(item.key)
             for item in later:  # a second step of the same session waits for the next batch

@@ -55,6 +55,9 @@ class Step(Message, frozen=True, tag="step"):
     mask: bytes | None = None  # a tree mask, a uint8 codec frame (q, q)
     keep: Keep | None = None
     commits: Commits = ()  # the stages before this one, in order (audits)
+    # the session's earlier steps not computed yet are not wanted (speculation built on an outcome that did
+    # not happen): a stage drops them, and this step's keep no longer names their positions
+    cancel: bool = False
 
 
 class Result(Message, frozen=True, tag="result"):

@@ -42,7 +42,10 @@ class Target(Protocol):
     """A target that may take steps before earlier ones return; steps of a session run in the order sent."""
 
     def submit(self, ids: torch.Tensor, start: int, mask: torch.Tensor | None,
-               keep: tuple[int, list[int]] | None) -> Any: ...
+               keep: tuple[int, list[int]] | None, cancel: bool = False) -> Any:
+        """Send a step; `cancel`: the steps sent before it and not run yet are not wanted (they are dropped
+        where they have not run, and discarded by the caller)."""
+        ...
 
     def collect(self, handle: Any) -> tuple[torch.Tensor, float]:
         """The step's logits, and when they arrived (perf_counter seconds)."""
@@ -59,7 +62,7 @@ class Eager:
     def __init__(self, forward: TargetForward):
         self.forward = forward
 
-    def submit(self, ids, start, mask, keep) -> tuple[torch.Tensor, float]:
+    def submit(self, ids, start, mask, keep, cancel=False) -> tuple[torch.Tensor, float]:
         return self.forward(ids, start, mask, keep), time.perf_counter()
 
     def collect(self, handle: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, float]:
@@ -126,6 +129,7 @@ class _Speculation:
         self.level = {self.at: 0}  # a node's depth below the last fresh round's root (the tuner's statistics)
         self.prob: dict[int, float] = {}  # the draft's probability of a drafted node given its parent
         self.flight: collections.deque[_Step] = collections.deque()
+        self.cancelling = False  # the next step cancels those before it
         self.plan = tuner.plan(max_in_flight)
         self.planned = (time.perf_counter(), len(self.committed))  # when, and the tokens committed then
 
@@ -147,6 +151,7 @@ class _Speculation:
             if child is None:  # the target's own token: a new node, sent with the next step
                 child = self.tree.add(self.at, token)
                 self.fresh, self.level[child] = True, 0
+                self.cancel()  # everything in flight was built on another outcome
             else:
                 self.report.accepted[-1] += 1
             self.at = child
@@ -229,21 +234,22 @@ class _Speculation:
         if self.max_length is not None:
             budget = min(budget, self.max_length - self.kv_end - len(rows))
         t0 = time.perf_counter()
+        under = []
         for hang, token in hangs:
-            if budget <= 1:
-                break
-            if token is not None:
+            if token is not None and budget > 1:
                 new = self.widen(hang, token)
                 if new is None:
                     continue
                 hang = new
                 rows.append(hang)
                 budget -= 1
-            sub = TreeShape(shape.widths, min(shape.max_nodes, budget), shape.min_path_prob)
-            added = self.graft(hang, self.draft.propose(self.committed + self.path_tokens(hang), sub, self.params,
-                                                        self.generator))
-            rows += added
-            budget -= len(added)
+            under.append(hang)
+        budget = min(budget, len(under) * shape.nodes)
+        if under and budget > 0:
+            forest, _ = self.draft.propose_many(self.committed, [self.path_tokens(h) for h in under],
+                                                TreeShape(shape.widths, budget, shape.min_path_prob), self.params,
+                                                self.generator)
+            rows += self.graft(forest)
         draft_s = time.perf_counter() - t0
         if not rows:
             return False
@@ -254,7 +260,9 @@ class _Speculation:
                 mask[i, col[node]] = True
                 node = self.tree.parents[node]
         start, sent = self.kv_end, time.perf_counter()
-        handle = self.target.submit(torch.tensor([self.tree.tokens[n] for n in rows]), start, mask, keep)
+        handle = self.target.submit(torch.tensor([self.tree.tokens[n] for n in rows]), start, mask, keep,
+                                    self.cancelling)
+        self.cancelling = False
         for i, node in enumerate(rows):
             self.slots[node] = start + i
         self.fresh = False
@@ -263,19 +271,23 @@ class _Speculation:
         self.report.rows_sent += len(rows)
         self.report.in_flight[len(self.flight) + 1] += 1
         self.report.shapes[shape.widths] += 1
-        self.flight.append(_Step(handle, rows, sent, draft_s, shape.depth * len(hangs)))
+        self.flight.append(_Step(handle, rows, sent, draft_s, shape.depth + 1))
         return True
 
-    def graft(self, hang: int, sub: DraftTree) -> list[int]:
-        """Add a tree drafted after `hang` under it; the new nodes, in order."""
-        ids = {ROOT: hang}
-        for i, (token, parent) in enumerate(zip(sub.tokens, sub.parents, strict=True)):
-            ids[i] = self.tree.add(ids[parent], token)
-            self.prob[ids[i]] = float(sub.dists[parent][token])
-            self.level[ids[i]] = self.level[ids[parent]] + 1
-        for node, cands in sub.candidates.items():
-            self.tree.candidates[ids[node]], self.tree.dists[ids[node]] = list(cands), sub.dists[node]
-        return [ids[i] for i in range(len(sub.tokens))]
+    def graft(self, forest: DraftTree) -> list[int]:
+        """Add the trees `propose_many` drafted (its first nodes are paths to them, already here); the new nodes."""
+        ids, new = {ROOT: self.at}, []
+        for i, (token, parent) in enumerate(zip(forest.tokens, forest.parents, strict=True)):
+            found = self.tree.child(ids[parent], token)
+            if found is None:
+                found = self.tree.add(ids[parent], token)
+                self.prob[found] = float(forest.dists[parent][token])
+                self.level[found] = self.level[ids[parent]] + 1
+                new.append(found)
+            ids[i] = found
+        for node, cands in forest.candidates.items():
+            self.tree.candidates[ids[node]], self.tree.dists[ids[node]] = list(cands), forest.dists[node]
+        return new
 
     def path_tokens(self, node: int) -> list[int]:
         """Tokens after the walk's node down to `node`."""
@@ -325,6 +337,14 @@ class _Speculation:
         # the step's time past its draft: the pass around the ring (and any queue behind earlier steps)
         self.meter.observe(step.draft_s, step.levels, len(step.rows), arrived - step.sent)
 
+    def cancel(self) -> None:
+        """Steps in flight that can no longer be used: discarded here, dropped by the stages where they have not
+        run yet (the next step says so)."""
+        self.cancelling = self.cancelling or bool(self.flight)
+        self.report.cancelled += len(self.flight)
+        self.report.rows_cancelled += sum(len(step.rows) for step in self.flight)
+        self.discard_all()
+
     def discard_all(self) -> None:
         while self.flight:
             self.target.discard(self.flight.popleft().handle)
@@ -362,7 +382,7 @@ def speculative_generate(target: TargetForward | Target, draft: DraftModel, prom
     logits = prefill(ids) if prefill is not None else target.collect(target.submit(ids, 0, None, None))[0]
     going = commit(sample(logits[-1], params, generator, prompt_ids)) if max_new_tokens > 0 else False
     ttft = time.perf_counter() - t0
-    draft.reset(len(prompt_ids) + max_new_tokens + (max_in_flight + 1) * (MAX_TREE_NODES + 2))
+    draft.reset(len(prompt_ids) + max_new_tokens + 2 * (max_in_flight + 1) * (MAX_TREE_NODES + 2))
     spec = _Speculation(target, draft, params, tuner, generator, list(prompt_ids) + tokens, len(prompt_ids),
                         max_length, max_in_flight, report, commit)
     try:

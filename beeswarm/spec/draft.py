@@ -16,7 +16,7 @@ from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel, Span, SpanRuntime, checkpoint
 from beeswarm.shard.errors import ShardError
 from beeswarm.shard.loader import load_config
-from beeswarm.spec.tree import DraftTree, grow_tree
+from beeswarm.spec.tree import ROOT, DraftTree, grow_tree
 from beeswarm.spec.tuner import TreeShape
 
 
@@ -60,10 +60,19 @@ class DraftModel:
             self.span.close(self.session)
             self.session = None
 
-    @torch.inference_mode()
     def propose(self, committed: list[int], shape: TreeShape, params: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftTree:
         """A tree after `committed` (the whole sequence; the draft reads what it has not read of it)."""
+        return self.propose_many(committed, [[]], shape, params, generator)[0]
+
+    @torch.inference_mode()
+    def propose_many(self, committed: list[int], paths: list[list[int]], shape: TreeShape, params: SamplingParams,
+                     generator: torch.Generator | None = None) -> tuple[DraftTree, list[int]]:
+        """Trees after `committed` + each of `paths`, grown together (one draft step per level for all).
+
+        The tree returned starts with the paths' tokens (a trie; its nodes get no candidates), then holds a
+        tree of `shape` under each path's last node; with it, each path's last node (ROOT for an empty one).
+        """
         if self.session is None:
             raise DraftError("reset() the draft before proposing")
         same = 0
@@ -75,6 +84,18 @@ class DraftModel:
         hidden = self.span.step_one(self.session, self.entry.embed(torch.tensor(committed[same:])), same)
         self.read = list(committed)
         base = len(committed)
+        tree, ends = DraftTree(), []
+        for path in paths:
+            node = ROOT
+            for token in path:
+                found = tree.child(node, token)
+                node = found if found is not None else tree.add(node, token)
+            ends.append(node)
+        logits = {ROOT: self.entry.logits(hidden[-1:])[0]}
+        if len(tree):
+            out = self.span.step_one(self.session, self.entry.embed(torch.tensor(tree.tokens)), base, tree.ancestors())
+            rows = self.entry.logits(out)
+            logits.update((end, rows[end]) for end in ends if end != ROOT)
 
         def level_logits(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
             first = nodes[0]  # levels are contiguous: the step holds nodes first.., the window the whole tree
@@ -83,6 +104,8 @@ class DraftModel:
             out = self.span.step_one(self.session, self.entry.embed(tokens), base + first, mask)
             return self.entry.logits(out)
 
-        room = self.span.sessions[self.session].max_length - base
+        room = self.span.sessions[self.session].max_length - base - len(tree)
         shape = TreeShape(shape.widths, min(shape.max_nodes, max(1, room)), shape.min_path_prob)
-        return grow_tree(self.entry.logits(hidden[-1:])[0], level_logits, shape, params, generator, committed)
+        grow_tree(tree, [(end, logits[end]) for end in dict.fromkeys(ends)], level_logits, shape, params, generator,
+                  committed)
+        return tree, ends

@@ -84,21 +84,21 @@ class DraftTree:
 LevelLogits = Callable[[DraftTree, list[int]], torch.Tensor]
 
 
-def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeShape, params: SamplingParams,
-              generator: torch.Generator | None = None, seen: list[int] | None = None) -> DraftTree:
-    """Grow a tree of `shape` from the draft's logits after the last committed token; `seen`: the committed
-    sequence, for the repetition penalty (each node's proposal is penalised by its own sequence, as the
-    target's will be)."""
-    tree = DraftTree()
+def grow_tree(tree: DraftTree, roots: list[tuple[int, torch.Tensor]], level_logits: LevelLogits, shape: TreeShape,
+              params: SamplingParams, generator: torch.Generator | None = None, seen: list[int] | None = None) -> None:
+    """Grow `tree` under each of `roots` (node, the draft's logits after it), a level at a time, to `shape`:
+    `shape.max_nodes` new nodes in all, likelier paths first. `seen`: the committed sequence, for the
+    repetition penalty (each node's proposal is penalised by its own sequence, as the target's will be)."""
     committed = Seen(seen or ()) if params.repetition_penalty != 1.0 else None
-    frontier = [(ROOT, root_logits, 1.0)]  # node, draft logits for its children, draft path probability
+    frontier = [(node, logits, 1.0) for node, logits in roots]  # node, logits for its children, path probability
+    added = 0
     for depth, width in enumerate(shape.widths, start=1):
         level: list[tuple[int, float]] = []
         for node, logits, path_prob in sorted(frontier, key=lambda f: -f[2]):
-            room = shape.max_nodes - len(tree)
+            room = shape.max_nodes - added
             if room <= 0:
                 break
-            if node != ROOT and path_prob < shape.min_path_prob:
+            if depth > 1 and path_prob < shape.min_path_prob:
                 continue
             if committed is not None:
                 logits = penalize(logits, committed.plus(tree.path_tokens(node)), params.repetition_penalty)
@@ -111,11 +111,11 @@ def grow_tree(root_logits: torch.Tensor, level_logits: LevelLogits, shape: TreeS
             tree.dists[node], tree.candidates[node] = dist, candidates
             for token in dict.fromkeys(candidates):
                 level.append((tree.add(node, token), path_prob * float(dist[token])))
+                added += 1
         if not level or depth == shape.depth:
             break
         logits = level_logits(tree, [node for node, _ in level])
         frontier = [(node, logits[i], p) for i, (node, p) in enumerate(level)]
-    return tree
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -36,6 +36,8 @@ MAX_WIDTH = 4
 MAX_TREE_NODES = 64
 MAX_IN_FLIGHT = 8  # pipelined steps around the ring at once
 RETRY_PIPELINED = 30  # serial plans in a row before a pipelined one is tried again
+MEASURED_TRIALS = 32  # candidates judged before a pipelined plan is weighed
+EXPLORE = 0.95  # a pipelined plan is tried when its closed form is within this of serial rounds
 HANGS = (1, 2, 4, 8)  # places (leaves, new candidates) a continuation step extends
 # Acceptance before any round is measured: a draft paired with its target usually agrees about half
 # the time; later candidates at a node are accepted far less often than the first.
@@ -246,10 +248,11 @@ class Plan:
 
 
 def continuation_seconds(more: TreeShape, hangs: int, costs: RoundCosts) -> tuple[float, float]:
-    """A continuation step's time around the ring, and the least time between two of them (its drafts,
-    one re-read and `more.depth` levels per leaf, and its tokens' share of the links)."""
+    """A continuation step's time around the ring, and the least time between two of them (its draft: the
+    paths to its places and then `more.depth` levels, each one step for all places; and its tokens' share
+    of the links)."""
     tokens = hangs * more.nodes
-    t_draft = hangs * (more.depth + 1) * costs.draft_level_s + costs.per_token_s * tokens
+    t_draft = (more.depth + 1) * costs.draft_level_s + costs.per_token_s * tokens
     return costs.fixed_s + costs.per_token_s * tokens, t_draft
 
 
@@ -278,6 +281,7 @@ class Tuner:
     # measured over predicted tokens/s of pipelined plans (the closed form leaves out the entry's own time
     # and how its continuations are really placed), and plans since one was last tried
     pipelined_scale: float = 1.0
+    pipelined_runs: int = 0
     serial_plans: int = 0
 
     def observe_pipelined(self, predicted: float, measured: float, alpha: float = 0.3) -> None:
@@ -285,6 +289,7 @@ class Tuner:
         if predicted > 0:
             ratio = min(2.0, max(0.05, measured / predicted))
             self.pipelined_scale += alpha * (ratio - self.pipelined_scale)
+            self.pipelined_runs += 1
 
     def choose(self) -> TreeShape:
         hits = self.stats.hits()
@@ -314,6 +319,8 @@ class Tuner:
             return Plan(d, fresh, fresh, 2, model * self.pipelined_scale, serial, model)
         if max_in_flight <= 1 or pinned == 1 or self.depth is not None or self.width is not None:
             return best  # a pinned shape alone is a serial comparison
+        if not pinned and sum(self.stats.tried.values()) < MEASURED_TRIALS:
+            return best  # serial rounds until the ring and the acceptance are measured
         if pinned:
             best = Plan(pinned, fresh, fresh, 1, 0.0, serial)
         for hangs in HANGS:
@@ -324,10 +331,13 @@ class Tuner:
                     model = rates.rate(first, more, hangs, depth)
                     if model * self.pipelined_scale > best.rate:
                         best = Plan(depth, first, more, hangs, model * self.pipelined_scale, serial, model)
-        # Off where it loses, and tried again now and then: acceptance changes with the text, and the scale
-        # learns only while pipelining runs.
+        # On where it wins as measured; tried where the closed form says it about breaks even and nothing is
+        # measured yet, and again now and then (acceptance changes with the text, and the scale learns only
+        # while pipelining runs).
         wins = best.rate >= margin * serial or pinned
-        if best.depth > 1 and (wins or self.serial_plans >= RETRY_PIPELINED):
+        worth_trying = best.model_rate >= EXPLORE * serial and \
+            (self.pipelined_runs == 0 or self.serial_plans >= RETRY_PIPELINED)
+        if best.depth > 1 and (wins or worth_trying):
             self.serial_plans = 0
             return best
         self.serial_plans += 1
