@@ -113,7 +113,9 @@ def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_ll
     evil.connect(stages[0].addrs[0])
     hostile = evil.open_channel(route[0].node, ids.STEP)
     raw = msgspec.msgpack.decode(encode(step))
-    for body in (b"\xff" * 100, msgspec.msgpack.encode({**raw, "keep": "garbage"}),
+    # a step that would cancel the good session's later steps: only that session's previous hop may
+    for body in (msgspec.msgpack.encode({**raw, "session": good, "step": 10**9, "cancel": True}),
+                 b"\xff" * 100, msgspec.msgpack.encode({**raw, "keep": "garbage"}),
                  msgspec.msgpack.encode({**raw, "keep": [0, list(range(5000))]})):
         hostile.send(body)
     wait_for(lambda: stages[0].bans.is_banned(evil.peer_id), 5, "the hostile peer to be banned")
