@@ -17,7 +17,7 @@ from beeswarm.spec import decode
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftError, DraftModel
 from beeswarm.spec.tree import ROOT, DraftTree, grow_tree
-from beeswarm.spec.tuner import AcceptanceStats, RoundCosts, TreeShape, Tuner, rate
+from beeswarm.spec.tuner import MAX_DEPTH, AcceptanceStats, Rates, RoundCosts, TreeShape, Tuner, rate
 from beeswarm.spec.verify import Verdict, verify
 
 PROMPT = [5, 100, 200, 33, 7, 9]
@@ -349,3 +349,35 @@ def test_pipelined_sampling_leaves_the_target_distribution(tiny_models, exact, m
                             for b in range(VOCAB)]).reshape(-1) * PIPELINED_SAMPLES
     p = chi_square_p(counts, expected)
     assert (p > 0.01) if exact else (p < 0.01), f"chi-square p = {p:.3g}"
+
+
+def stats_at(a: float, later: float = 0.3) -> AcceptanceStats:
+    """Acceptance measured at every depth: the first candidate `a` of the time, each later one `later`."""
+    stats = AcceptanceStats()
+    for d in range(1, MAX_DEPTH + 1):
+        for i, rate_i in enumerate((a, later, later, later)):
+            for k in range(100):
+                stats.record(d, i, k < 100 * rate_i)
+    return stats
+
+
+def test_pipelined_plans_on_long_rings_at_good_acceptance_and_serial_rounds_elsewhere():
+    """The closed form with one step in flight is the serial rate; the tuner keeps steps in flight on a long
+    ring when the draft is good, and serial rounds on a short ring, at poor acceptance (once measured), or
+    once pipelined plans measured slower than their closed form said."""
+    costs = RoundCosts(draft_level_s=0.002, fixed_s=0.3, per_token_s=0.0)
+    good = stats_at(0.8)
+    tree = Tuner(good, costs).choose()
+    assert Rates(good, costs).rate(tree, tree, 1, 1) == pytest.approx(rate(tree, good, costs))
+    long_ring = Tuner(good, costs).plan()
+    assert long_ring.depth > 1 and long_ring.rate >= 1.05 * long_ring.serial_rate
+    assert Tuner(good, RoundCosts(0.002, 0.004, 0.0)).plan().depth == 1  # short ring: a step is barely a draft
+    poor = Tuner(stats_at(0.2, 0.05), costs)  # the next outcome is rarely covered: tried once at most
+    tried = poor.plan()
+    assert tried.rate < 1.05 * tried.serial_rate
+    poor.observe_pipelined(tried.model_rate, tried.model_rate)
+    assert poor.plan().depth == 1
+    measured_slower = Tuner(good, costs)
+    for _ in range(10):
+        measured_slower.observe_pipelined(long_ring.model_rate, 0.8 * long_ring.serial_rate)
+    assert measured_slower.plan().depth == 1

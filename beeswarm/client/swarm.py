@@ -36,6 +36,7 @@ from beeswarm.spec.tuner import MAX_IN_FLIGHT, MAX_TREE_NODES, Tuner
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES = 5
+LOOKAHEAD_STEPS = 4  # steps' worth of KV a speculating session reserves past its tokens
 BUSY_BACKOFF_S = (0.1, 2.0)  # first wait and cap while every route's stages are full
 
 
@@ -300,7 +301,8 @@ class SwarmClient:
             wire0, raw0 = pipe.wire_bytes, pipe.raw_bytes
             try:
                 in_flight = self.options.max_in_flight if self.options.mode == "push" else 1
-                lookahead = in_flight * (MAX_TREE_NODES + 1) if speculate else 0
+                # KV room for the nodes in flight and not judged yet (each step's keep drops the dead ones)
+                lookahead = min(in_flight, LOOKAHEAD_STEPS) * (MAX_TREE_NODES + 1) if speculate else 0
                 max_length = min(limit, len(prompt_ids) + max_new_tokens + lookahead)
                 session = pipe.open(max_length)
                 sessions.append(session)

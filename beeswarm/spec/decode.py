@@ -207,9 +207,10 @@ class _Speculation:
             elif len(self.tree.candidates[node]) < MAX_CANDIDATES:
                 # the draft's likeliest token not tried here yet (sampling draws the candidate only once chosen,
                 # so that what is drawn cannot decide whether it is used)
-                top = dist.topk(min(len(dist), len(children) + 1))
-                token = next(int(t) for t in top.indices if self.tree.child(node, int(t)) is None)
-                found.append((p * float(dist[token]), node, token))
+                top = dist.topk(min(len(dist), len(self.tree.children(node)) + 1)).indices.tolist()
+                token = next((t for t in top if self.tree.child(node, t) is None), None)
+                if token is not None:
+                    found.append((p * float(dist[token]), node, token))
             stack += [(c, p * self.prob[c]) for c in children]
         found.sort(key=lambda f: -f[0])
         return [(node, token) for _, node, token in found[:count]]
@@ -228,16 +229,16 @@ class _Speculation:
     def send(self, hangs: list[tuple[int, int | None]], shape: TreeShape) -> bool:
         """One step: trees drafted under `hangs` (a new candidate first where one is named), and the walk's node
         first when it is not in the stages' KV yet."""
+        t0 = time.perf_counter()  # the entry's time for a step: the draft, and the bookkeeping around it
         keep, window = self.compact()
         rows = [self.at] if self.fresh else []
         budget = len(hangs) * (MAX_TREE_NODES + 1)
         if self.max_length is not None:
             budget = min(budget, self.max_length - self.kv_end - len(rows))
-        t0 = time.perf_counter()
         under = []
         for hang, token in hangs:
-            if token is not None and budget > 1:
-                new = self.widen(hang, token)
+            if token is not None:  # a new candidate first, then a tree under it
+                new = self.widen(hang, token) if budget > 1 else None
                 if new is None:
                     continue
                 hang = new
@@ -250,7 +251,6 @@ class _Speculation:
                                                 TreeShape(shape.widths, budget, shape.min_path_prob), self.params,
                                                 self.generator)
             rows += self.graft(forest)
-        draft_s = time.perf_counter() - t0
         if not rows:
             return False
         col = {node: j for j, node in enumerate(window + rows)}
@@ -260,6 +260,7 @@ class _Speculation:
                 mask[i, col[node]] = True
                 node = self.tree.parents[node]
         start, sent = self.kv_end, time.perf_counter()
+        draft_s = sent - t0
         handle = self.target.submit(torch.tensor([self.tree.tokens[n] for n in rows]), start, mask, keep,
                                     self.cancelling)
         self.cancelling = False

@@ -37,7 +37,10 @@ MAX_TREE_NODES = 64
 MAX_IN_FLIGHT = 8  # pipelined steps around the ring at once
 RETRY_PIPELINED = 30  # serial plans in a row before a pipelined one is tried again
 MEASURED_TRIALS = 32  # candidates judged before a pipelined plan is weighed
-EXPLORE = 0.95  # a pipelined plan is tried when its closed form is within this of serial rounds
+# Rounds shorter than this stay serial: the entry's drafting and bookkeeping for each step in flight, and
+# the stages' share of two cores, ate the gain at every shorter ring in spec_bench's sweep.
+MIN_RING_S = 0.2
+EXPLORE = 1.05  # a pipelined plan is tried when its closed form beats serial rounds by this
 HANGS = (1, 2, 4, 8)  # places (leaves, new candidates) a continuation step extends
 # Acceptance before any round is measured: a draft paired with its target usually agrees about half
 # the time; later candidates at a node are accepted far less often than the first.
@@ -319,8 +322,8 @@ class Tuner:
             return Plan(d, fresh, fresh, 2, model * self.pipelined_scale, serial, model)
         if max_in_flight <= 1 or pinned == 1 or self.depth is not None or self.width is not None:
             return best  # a pinned shape alone is a serial comparison
-        if not pinned and sum(self.stats.tried.values()) < MEASURED_TRIALS:
-            return best  # serial rounds until the ring and the acceptance are measured
+        if not pinned and (sum(self.stats.tried.values()) < MEASURED_TRIALS or self.costs.fixed_s < MIN_RING_S):
+            return best  # serial rounds until the ring and the acceptance are measured, and on short rings
         if pinned:
             best = Plan(pinned, fresh, fresh, 1, 0.0, serial)
         for hangs in HANGS:
@@ -331,8 +334,8 @@ class Tuner:
                     model = rates.rate(first, more, hangs, depth)
                     if model * self.pipelined_scale > best.rate:
                         best = Plan(depth, first, more, hangs, model * self.pipelined_scale, serial, model)
-        # On where it wins as measured; tried where the closed form says it about breaks even and nothing is
-        # measured yet, and again now and then (acceptance changes with the text, and the scale learns only
+        # On where it wins as measured; tried where the closed form says it at least breaks even and nothing
+        # is measured yet, and again now and then (acceptance changes with the text, and the scale learns only
         # while pipelining runs).
         wins = best.rate >= margin * serial or pinned
         worth_trying = best.model_rate >= EXPLORE * serial and \
