@@ -12,7 +12,7 @@ compute share (`busy`, from their heartbeats), the entry's wire bytes per token,
 the steps sent, cancelled, and the share of computed positions that were in cancelled steps.
 `--sweep`: serial trees against pipelined on the 280 ms ring's shape scaled to 0-280 ms.
 
-    python benchmarks/spec_bench.py [--json] [--tokens 48] [--prompts 6] [--ring 280|160] [--sweep]
+    python benchmarks/spec_bench.py [--json] [--tokens 48] [--prompts 6] [--ring 280|160] [--sweep] [--pinned D]
 """
 from __future__ import annotations
 
@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--ring", choices=sorted(RINGS), default="280")
     ap.add_argument("--sweep", action="store_true", help="serial trees against pipelined on rings of 0-280 ms")
+    ap.add_argument("--pinned", type=int, default=0, metavar="D",
+                    help="also run with D steps always in flight (the tuner choosing only their shapes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(threads_per_process(4))
@@ -139,8 +141,10 @@ def main() -> None:
                                   "ratio": round(piped["tokens_per_s"] / tree["tokens_per_s"], 3)})
                 print(json.dumps({"sweep": sweep, "date": time.strftime("%Y-%m-%d")}, indent=None if args.json else 1))
                 return
-            modes = (("plain", False, None, 1), ("chain", True, Tuner(width=1), 1), ("tree", True, None, 1),
-                     ("pipelined", True, None, MAX_IN_FLIGHT))
+            modes = [("plain", False, None, 1), ("chain", True, Tuner(width=1), 1), ("tree", True, None, 1),
+                     ("pipelined", True, None, MAX_IN_FLIGHT)]
+            if args.pinned:  # steps in flight whatever the tuner would choose: what pipelining gives when forced
+                modes.append((f"pipelined-{args.pinned}", True, Tuner(in_flight=args.pinned), args.pinned))
             for name, speculate, tuner, in_flight in modes:
                 rows[name] = run_mode(client, texts, args.tokens, name, speculate, tuner, in_flight, sampler)
         finally:

@@ -8,17 +8,16 @@ depth d, from running acceptance counts. The tuner maximises tokens per second. 
 this is the closed form `(1 - a^(K+1)) / (1 - a) / (K*c_d + C + T_ring)`.
 
 Pipelined speculation (`Tuner.plan`) keeps up to D steps in flight: while one crosses the ring, the
-next hangs small trees under the most likely leaves of those before it. A step whose leaves the walk
-reaches continues one step time Delta later instead of a ring later; one it does not reach costs a fresh
-round. A two-state chain (fresh, continuing) gives the rate in closed form: with c_f and c_c the chances
-that the walk reaches a leaf the next step extends (from a fresh tree, from a continuation), the
-stationary shares are pi_F = (1 - c_c) / (1 - c_c + c_f) and pi_C = 1 - pi_F, and
+next hangs small trees under the likeliest places below those before it (leaves, or one more
+candidate at a node not judged yet). A step whose places the walk reaches is followed one step time
+Delta later instead of a ring later; one it does not reach costs a fresh round. A two-state chain
+(fresh, continuing) gives the rate in closed form (`Rates.rate`): with c_f and c_c the chances that the
+walk reaches a place the next step extends (from a fresh tree, from a continuation), the stationary
+shares are pi_F = (1 - c_c) / (1 - c_c + c_f) and pi_C = 1 - pi_F, and
 
     rate = (pi_F (E_F - c_f) + pi_C (E_C - c_c)) / (pi_F T_F + pi_C Delta),  Delta = max(t_draft, T_C / D)
 
-(`Rates.rate`)
-
-(a reached leaf's token is the next step's to verify, so it leaves the round's count). D = 1 gives the
+(a reached place's token is the next step's to verify, so it leaves the round's count). D = 1 gives the
 serial rate E_F / T_F.
 
 Pure: no torch, no networking.
