@@ -3,12 +3,13 @@
 Serial (one step in flight) is the classic round: a tree after the last committed token goes around
 the ring, the walk commits its accepted path and the target's own next token, and the next round
 starts. Pipelined, up to D steps are in flight: while one crosses the ring, the next hangs small trees
-under the likeliest leaves of those still unverified, so when the walk reaches such a leaf its
-continuation is already on its way. Every step's tree nodes are nodes of one growing tree whose spine
-is the committed sequence; the walk judges node after node as results arrive (`verify.judge`), and a
-step whose nodes all left the walk's subtree is dropped when it returns (its KV with the next step's
-`keep`). A node's candidates are drawn, and fixed, before the target's result for it is seen, so the
-output stays exactly the target's (greedy: token for token plain greedy).
+under the likeliest places below those still unverified (leaves, or one more candidate at a node not
+judged yet), so when the walk gets there its continuation is already on its way. Every step's tree
+nodes are nodes of one growing tree whose spine is the committed sequence; the walk judges node after
+node as results arrive (`verify.judge`). A step whose nodes all left the walk's subtree is ignored when
+it returns, and its KV dropped by the next step's `keep`; after a miss, the next step cancels the
+steps still in flight. A node's candidates are drawn, and fixed, before the target's result for it is
+seen, so the output stays exactly the target's (greedy: token for token plain greedy).
 
 The stages' KV holds the committed tokens compacted up to `base`, then the nodes sent and not yet
 judged. Each step carries a tree mask over that window: a node sees its own ancestors, so its
