@@ -77,7 +77,6 @@ class Traffic:
     wire_in: int  # ... as they crossed the wire
     raw_out: int
     wire_out: int
-    compute_s: float  # seconds its layers computed
 
 
 @dataclass
@@ -108,8 +107,7 @@ class StageServer:
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
         self.steps = self.tokens = 0  # written by the compute thread only
-        self.skipped = 0  # steps dropped, cancelled by a later one of their session
-        self.compute_s = 0.0
+        self.compute_s = 0.0  # seconds its layers computed
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are dropped
         self._out = ChannelPool(node)
@@ -172,7 +170,7 @@ class StageServer:
         with self._lock:
             links = list(self._codecs.values())
         return Traffic(self.steps, self.tokens, sum(c.raw_in for c in links), sum(c.wire_in for c in links),
-                       sum(c.raw_bytes for c in links), sum(c.wire_bytes for c in links), self.compute_s)
+                       sum(c.raw_bytes for c in links), sum(c.wire_bytes for c in links))
 
     @property
     def busy(self) -> bool:
@@ -263,7 +261,6 @@ class StageServer:
             if first is None:
                 return
             if first.msg.step < self._cancelled.get(first.key, -1):
-                self.skipped += 1
                 continue
             batch, seen = [first], {first.key}
             later: list[_Step] = []
@@ -276,8 +273,7 @@ class StageServer:
                     self._queue.put(None)
                     break
                 if item.msg.step < self._cancelled.get(item.key, -1):
-                    self.skipped += 1
-                    continue
+                    continue  # cancelled by a later step of its session
                 (later if item.key in seen else batch).append(item)
                 seen.add(item.key)
             for item in later:  # a second step of the same session waits for the next batch

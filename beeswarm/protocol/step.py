@@ -52,7 +52,7 @@ class Step(Message, frozen=True, tag="step"):
     step: Annotated[int, msgspec.Meta(ge=0)]
     start: Annotated[int, msgspec.Meta(ge=0)]
     frame: bytes  # the hidden states, a codec frame
-    mask: bytes | None = None  # a tree mask, a uint8 codec frame (q, q)
+    mask: bytes | None = None  # a tree mask, a uint8 codec frame (q, w): cached positions before start, then its own q
     keep: Keep | None = None
     commits: Commits = ()  # the stages before this one, in order (audits)
     # the session's earlier steps not computed yet are not wanted (speculation built on an outcome that did
