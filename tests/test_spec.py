@@ -121,7 +121,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path):
 VOCAB = 5
 ROUND_SHAPE = TreeShape((2, 2))
 SAMPLES = 10_000
-PIPELINED_SAMPLES = 4_000
+PIPELINED_SAMPLES = 2_500
 
 
 @pytest.fixture(scope="module")
