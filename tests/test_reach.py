@@ -93,4 +93,5 @@ def test_joining_a_bootstrap_that_refuses_fails_within_seconds_naming_it(command
     error = [line for line in out.stderr.splitlines() if line.startswith("beeswarm: error:")]
     assert len(error) == 1 and addr in error[0] and "refused" in error[0].lower(), out.stderr
     assert "Traceback" not in out.stderr
-    assert took < 15, f"{took:.1f} s to say the bootstrap is unreachable"
+    # it used to wait out a 60 s route timeout; a process start (torch, the model) takes 5-16 s on 2 busy cores
+    assert took < 30, f"{took:.1f} s to say the bootstrap is unreachable"
