@@ -41,6 +41,16 @@ def plain_logits(pipe, ids: list[int]) -> torch.Tensor:
         pipe.close(session)
 
 
+def step_mask(tree: DraftTree, pending: int) -> torch.Tensor:
+    """Mask for one step of `pending` committed tokens (a causal chain) followed by every node of `tree`."""
+    n = len(tree)
+    mask = torch.zeros(pending + n, pending + n, dtype=torch.bool)
+    mask[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    mask[pending:, :pending] = True
+    mask[pending:, pending:] = tree.ancestors()
+    return mask
+
+
 def test_tree_pass_and_kv_compaction_equal_each_path_run_alone(tinycode):
     d = draft(tinycode)
     d.reset(64)
@@ -49,7 +59,7 @@ def test_tree_pass_and_kv_compaction_equal_each_path_run_alone(tinycode):
     pending = PROMPT[-2:]  # two committed tokens not yet in the target's cache, then the tree
     session = tinycode.open(64)
     tinycode.forward(session, torch.tensor(PROMPT[:-2]), 0)
-    logits = tinycode.forward(session, torch.tensor(pending + tree.tokens), len(PROMPT) - 2, tree.step_mask(2))
+    logits = tinycode.forward(session, torch.tensor(pending + tree.tokens), len(PROMPT) - 2, step_mask(tree, 2))
     for node in range(len(tree)):
         path = [tree.tokens[n] for n in tree.path(node)]
         alone = plain_logits(tinycode, PROMPT + path)[-1]
@@ -124,25 +134,33 @@ SAMPLES = 10_000
 PIPELINED_SAMPLES = 2_500
 
 
+CONTEXT = [1, 2]  # the tables' logits follow these tokens
+
+
 @pytest.fixture(scope="module")
-def tiny_vocab_logits(tmp_path_factory):
-    """Target and draft logits after every context of up to 3 tokens (two random 5-token models)."""
+def tiny_models(tmp_path_factory):
+    """Target and draft: two random 5-token models, logits looked up lazily for any sequence."""
     tables = []
     for seed, layers in ((0, 2), (7, 1)):
         folder = write_tiny_checkpoint(tmp_path_factory.mktemp(f"v{seed}"), num_layers=layers, seed=seed,
                                        hidden_size=32, intermediate_size=64, vocab_size=VOCAB)
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-        table = {}
-        with torch.no_grad():
-            for n in range(4):
-                for ctx in itertools.product(range(VOCAB), repeat=n):
-                    # sharpen: random tiny models are nearly uniform, which would hide a biased rule
-                    table[ctx] = 4 * model(torch.tensor([[1, 2, *ctx]])).logits[0, -1]
-        tables.append(table)
+
+        @functools.cache
+        def logits_after(seq: tuple[int, ...], model=model) -> torch.Tensor:
+            with torch.no_grad():  # sharpen: random tiny models are nearly uniform, which would hide a biased rule
+                return 4 * model(torch.tensor([seq])).logits[0, -1]
+        tables.append(logits_after)
     return tables
 
 
-CONTEXT = [1, 2]  # the tables' logits follow these tokens
+@pytest.fixture(scope="module")
+def tiny_vocab_logits(tiny_models):
+    """Target and draft logits after CONTEXT and every context of up to 3 tokens."""
+    return [{ctx: logits_after((*CONTEXT, *ctx)) for n in range(4) for ctx in itertools.product(range(VOCAB), repeat=n)}
+            for logits_after in tiny_models]
+
+
 
 
 def target_logits(target, ctx: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
@@ -282,35 +300,14 @@ class TableDraft:
         pass
 
     def propose_many(self, committed, paths, shape, params, generator=None):
-        tree, ends = DraftTree(), []
-        for path in paths:
-            node = ROOT
-            for token in path:
-                node = tree.child(node, token) if tree.child(node, token) is not None else tree.add(node, token)
-            ends.append(node)
+        tree = DraftTree()
+        ends = [tree.insert(path) for path in paths]
 
         def level(tree, nodes):
             return torch.stack([self.logits_after(tuple(committed + tree.path_tokens(n))) for n in nodes])
         roots = [(end, self.logits_after(tuple(committed + tree.path_tokens(end)))) for end in dict.fromkeys(ends)]
         grow_tree(tree, roots, level, shape, params, generator, committed)
         return tree, ends
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    """Target and draft: two random 5-token models, logits looked up lazily for any context."""
-    tables = []
-    for seed, layers in ((0, 2), (7, 1)):
-        folder = write_tiny_checkpoint(tmp_path_factory.mktemp(f"m{seed}"), num_layers=layers, seed=seed,
-                                       hidden_size=32, intermediate_size=64, vocab_size=VOCAB)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-        @functools.cache
-        def logits_after(seq: tuple[int, ...], model=model) -> torch.Tensor:
-            with torch.no_grad():  # sharpened as above
-                return 4 * model(torch.tensor([seq])).logits[0, -1]
-        tables.append(logits_after)
-    return tables
 
 
 def wrong_judge(tree, node, logits, params, generator=None, depth=1, trials=None):

@@ -260,7 +260,7 @@ class StageServer:
                 continue
             if first is None:
                 return
-            if first.msg.step < self._cancelled.get(first.key, -1):
+            if self._cancelled_step(first):
                 continue
             batch, seen = [first], {first.key}
             later: list[_Step] = []
@@ -272,13 +272,17 @@ class StageServer:
                 if item is None:
                     self._queue.put(None)
                     break
-                if item.msg.step < self._cancelled.get(item.key, -1):
-                    continue  # cancelled by a later step of its session
+                if self._cancelled_step(item):
+                    continue
                 (later if item.key in seen else batch).append(item)
                 seen.add(item.key)
             for item in later:  # a second step of the same session waits for the next batch
                 self._queue.put(item)
             self._run_batch(batch)
+
+    def _cancelled_step(self, item: _Step) -> bool:
+        """A later step of its session cancelled it before it ran."""
+        return item.msg.step < self._cancelled.get(item.key, -1)
 
     def _run_batch(self, batch: list[_Step]) -> None:
         ready: dict[SpanRuntime, list[tuple[_Step, _Session, StepInput]]] = {}

@@ -84,13 +84,8 @@ class DraftModel:
         hidden = self.span.step_one(self.session, self.entry.embed(torch.tensor(committed[same:])), same)
         self.read = list(committed)
         base = len(committed)
-        tree, ends = DraftTree(), []
-        for path in paths:
-            node = ROOT
-            for token in path:
-                found = tree.child(node, token)
-                node = found if found is not None else tree.add(node, token)
-            ends.append(node)
+        tree = DraftTree()
+        ends = [tree.insert(path) for path in paths]
         logits = {ROOT: self.entry.logits(hidden[-1:])[0]}
         if len(tree):
             out = self.span.step_one(self.session, self.entry.embed(torch.tensor(tree.tokens)), base, tree.ancestors())

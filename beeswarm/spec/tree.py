@@ -48,6 +48,14 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         return list(self._children.get(node, {}).values())
 
+    def insert(self, tokens: list[int]) -> int:
+        """The node after the root for `tokens`, adding the nodes it lacks (ROOT for none)."""
+        node = ROOT
+        for token in tokens:
+            found = self.child(node, token)
+            node = found if found is not None else self.add(node, token)
+        return node
+
     def path(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node`."""
         out = []
@@ -70,14 +78,6 @@ class DraftTree:
             anc[i, i] = True
         return anc
 
-    def step_mask(self, pending: int) -> torch.Tensor:
-        """Mask for one step of `pending` committed tokens (a causal chain) followed by every node."""
-        n = len(self.tokens)
-        mask = torch.zeros(pending + n, pending + n, dtype=torch.bool)
-        mask[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
-        mask[pending:, :pending] = True
-        mask[pending:, pending:] = self.ancestors()
-        return mask
 
 
 # (tree, nodes of the newest level) -> draft logits (len(nodes), vocab) predicting each node's children
