@@ -6,14 +6,13 @@ public key), so anyone can check a commitment with nothing but the commitment.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 
 import msgspec
 import torch
-from libp2p.crypto.keys import KeyPair, PublicKey
-from libp2p.peer.id import ID
+from libp2p.crypto.keys import KeyPair
 
+from beeswarm.p2p.signatures import sign_bytes, verify_bytes
 from beeswarm.protocol.step import DIGEST_BYTES, Commit, Keep, commit_body
 
 
@@ -28,26 +27,6 @@ def digest(tensor: torch.Tensor) -> bytes:
 def context(start: int, mask: bytes | None, keep: Keep | None) -> bytes:
     """A step's arguments besides its hidden states: where it starts, its tree mask, what it keeps."""
     return hashlib.blake2b(msgspec.msgpack.encode((start, mask, keep)), digest_size=DIGEST_BYTES).digest()
-
-
-@functools.lru_cache(maxsize=4096)
-def public_key(peer: str) -> PublicKey | None:
-    try:
-        return ID.from_base58(peer).extract_public_key()
-    except Exception:  # noqa: BLE001 - not a peer id, or one without an inline key
-        return None
-
-
-def sign_bytes(key_pair: KeyPair, body: bytes) -> bytes:
-    return bytes(key_pair.private_key.sign(body))
-
-
-def verify_bytes(peer: str, body: bytes, sig: bytes) -> bool:
-    key = public_key(peer)
-    try:
-        return key is not None and bool(key.verify(body, sig))
-    except Exception:  # noqa: BLE001 - malformed signatures
-        return False
 
 
 def sign(key_pair: KeyPair, entry: str, session: str, unsigned: Commit) -> Commit:

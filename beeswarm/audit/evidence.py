@@ -17,6 +17,7 @@ from beeswarm import codec
 from beeswarm.audit import commitments
 from beeswarm.audit.replay import first_mismatch
 from beeswarm.audit.retention import LoggedStep
+from beeswarm.p2p.signatures import sign_bytes, verify_bytes
 from beeswarm.protocol import ProtocolError, Span, encode
 from beeswarm.protocol.audit import Evidence, EvidenceKind, Revealed, RevealedStep, reveal_body
 from beeswarm.protocol.step import Commit
@@ -49,7 +50,7 @@ def reveal(key_pair: KeyPair, stage: str, entry: str, session: str, steps: Seque
     unsigned = Revealed(stage=stage, session=session, steps=tuple(
         RevealedStep(s.step, s.start, s.mask, s.keep, tensors.encode(s.input), tensors.encode(s.output))
         for s in steps))
-    return msgspec.structs.replace(unsigned, sig=commitments.sign_bytes(
+    return msgspec.structs.replace(unsigned, sig=sign_bytes(
         key_pair, reveal_body(entry, unsigned, _digests(steps))))
 
 
@@ -60,7 +61,7 @@ def read_reveal(revealed: Revealed, entry: str, max_bytes: int) -> list[LoggedSt
                             tensors.decode(s.output, max_bytes=max_bytes)) for s in revealed.steps]
     except (codec.CodecError, ProtocolError, ValueError, RuntimeError) as e:
         raise RevealRefused(f"undecodable reveal: {e}") from None
-    if not commitments.verify_bytes(revealed.stage, reveal_body(entry, revealed, _digests(steps)), revealed.sig):
+    if not verify_bytes(revealed.stage, reveal_body(entry, revealed, _digests(steps)), revealed.sig):
         raise RevealRefused("the reveal's signature does not verify")
     return steps
 
@@ -113,7 +114,7 @@ def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_f
 
 
 def sign_evidence(key_pair: KeyPair, evidence: Evidence) -> Evidence:
-    return msgspec.structs.replace(evidence, sig=commitments.sign_bytes(
+    return msgspec.structs.replace(evidence, sig=sign_bytes(
         key_pair, encode(msgspec.structs.replace(evidence, sig=b""))))
 
 
@@ -128,7 +129,7 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
           ask_reveal: AskReveal | None = None) -> Judgement:
     """Check an accusation from its signatures (and a recomputation for `wrong`; for `refused`, a reveal
     asked with `ask_reveal`). ProtocolError when the accuser did not sign it (then it is nobody's word)."""
-    if not commitments.verify_bytes(ev.accuser, encode(msgspec.structs.replace(ev, sig=b"")), ev.sig):
+    if not verify_bytes(ev.accuser, encode(msgspec.structs.replace(ev, sig=b"")), ev.sig):
         raise ProtocolError("the evidence is not signed by the accuser it names")
 
     def false(why: str) -> Judgement:

@@ -33,11 +33,14 @@ class Lease:
 
 class Election:
     def __init__(self, me: str, interval: float, eligible: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
-        self.me, self.interval, self.eligible, self.clock = me, interval, eligible, clock
+                 clock: Callable[[], float] = time.monotonic, founder: bool = True):
+        """`founder`: this node may lead before it has met anyone (False for a node that joins through a
+        bootstrap: until it hears from the swarm, its silence is its own)."""
+        self.me, self.interval, self.eligible, self.clock, self.founder = me, interval, eligible, clock, founder
         self.current: Lease | None = None
         self.last_heard = clock()
         self._last_tick: float | None = None
+        self._met = False
 
     @property
     def is_leader(self) -> bool:
@@ -61,8 +64,15 @@ class Election:
             self.clock() - self.last_heard > MISSED_BEATS * self.interval
 
     def joined(self) -> None:
-        """This node has just met the swarm: give its coordinator's heartbeats time to reach it before
-        counting their silence (a newcomer with a small id would otherwise claim a term it does not need)."""
+        """This node has just met the swarm (its first member): give its coordinator's heartbeats time to reach
+        it before counting their silence (a newcomer with a small id would otherwise claim a term it does not
+        need). Later arrivals do not restart the wait: in a swarm starting at once, nobody would ever claim."""
+        if self.current is None and not self._met:
+            self.last_heard = self.clock()
+        self._met = True
+
+    def told(self) -> None:
+        """A member says the swarm has a coordinator: wait for that one's lease instead of claiming."""
         if self.current is None:
             self.last_heard = self.clock()
 
@@ -73,7 +83,7 @@ class Election:
         self._last_tick = now
         if paused:  # the silence was ours, not the leader's: give its beats time to reach us again
             self.last_heard = now
-        if self.is_leader or not self.eligible:
+        if self.is_leader or not self.eligible or not (self._met or self.founder):
             return None
         silence = now - self.last_heard
         dead = self.current.leader if self.current else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from libp2p.crypto.keys import KeyPair
 
-from beeswarm.audit.commitments import sign_bytes, verify_bytes
+from beeswarm.p2p.signatures import sign_bytes, verify_bytes
 from beeswarm.protocol import Decoder, ProtocolError, encode
 from beeswarm.protocol.coordinator import PlanState, SignedPlan
 

@@ -23,10 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import trio
 
-from beeswarm.audit.evidence import Judgement
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Election, Lease
@@ -46,7 +46,10 @@ from beeswarm.protocol.coordinator import (
     SignedPlan,
     assignments,
 )
-from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.membership import NodeInfo, View
+
+if TYPE_CHECKING:  # the judge recomputes spans (torch): a node without one never imports it
+    from beeswarm.audit.evidence import Judgement
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +146,7 @@ class CoordinatorService:
         self.sentences: dict[str, Exclusion] = {}  # nodes kept out of plans by upheld evidence
         self.workload = workload or Workload()
         self.interval, self.replan_threshold, self.eligible = interval, replan_threshold, eligible
-        self.election = Election(node.peer_id, interval, eligible, clock)
+        self.election = Election(node.peer_id, interval, eligible, clock, founder=not node.config.bootstrap)
         self.state = PlanState()
         self.listeners: list[Callable[[PlanState], None]] = []
         self.ignored_plans = 0
@@ -158,7 +161,9 @@ class CoordinatorService:
         self.pulled_plans = 0
 
     def start(self) -> None:
-        self.members.leader = self.leader  # members beat to the coordinator once there is one
+        self.members.lease = self._lease  # members beat to the coordinator once there is one
+        self.members.wanted = self._plan_nodes  # and keep links to the plan's stages
+        self.members.on_view.append(self._on_view)
         self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
         self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
         if self.judge is not None:
@@ -173,6 +178,25 @@ class CoordinatorService:
                 self.election.joined()
         if event == "join":  # the newcomer needs the current plan: send it again soon
             self._republish_at = min(self._republish_at, self.clock() + SETTLE_BEATS * self.interval)
+
+    def _on_view(self, peer: str, view: View) -> None:
+        """A member answered this node's beat. The coordinator's own answer is as good as its lease beat
+        (however late gossip brings those); a newcomer told that the swarm has one waits for it."""
+        with self._lock:
+            if view.coordinator == peer:
+                lease = self.election.current
+                epoch = lease.epoch if lease is not None and (lease.term, lease.leader) == (view.term, peer) else 0
+                self.election.observe(Lease(view.term, peer, epoch))
+            elif view.coordinator is not None:
+                self.election.told()
+
+    def _lease(self) -> tuple[str, int] | None:
+        lease = self.election.current
+        return (lease.leader, lease.term) if lease else None
+
+    def _plan_nodes(self) -> set[str]:
+        state = self.state
+        return {s.node for p in state.active + state.target for s in p.stages}
 
     def leader(self) -> str | None:
         """The coordinator this node follows (itself while leading), or None."""

@@ -1,7 +1,7 @@
 """Who is in the swarm: heartbeats carrying each node's info, and a view with events.
 
 What grows with the swarm is kept flat per node:
-- Beats to the coordinator: once a node follows a coordinator (`leader()`, from the election) and is
+- Beats to the coordinator: once a node follows a coordinator (`lease()`, from the election) and is
   connected to it, it beats to it over a request (`ids.MEMBERS`) every interval, sending its info
   only when it changed, and the answer is the coordinator's view: every live member with the seconds
   since it was heard, and the info of those that changed since the view this node holds. A node
@@ -17,15 +17,22 @@ What grows with the swarm is kept flat per node:
   heartbeat.
 - A pause of this process (SIGSTOP, swapping) is not everyone else's silence: when the loop wakes
   PAUSED_BEATS intervals late, every member's silence timer starts again.
-- Mesh completion dials each member directly (stages and probes need direct links), with backoff
-  per unreachable member.
+- A newcomer's first beat goes to a member it is connected to (its bootstrap): any member answers
+  with its view and whom it follows, so the newcomer knows the swarm and its coordinator within one
+  round trip instead of waiting for gossip; the coordinator's own answers also tell the election that
+  it lives (`on_view`), whatever gossip drops.
+- Connections are not a full mesh (N^2 handshakes, ~40 ms of CPU each, would swamp a swarm starting
+  at once): a node keeps links to its coordinator, the members `wanted()` names (the plan's stages)
+  and NEIGHBOURS others for gossip; other links are dialled on demand. Dials back off per
+  unreachable member.
 """
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +47,12 @@ from beeswarm.protocol.membership import Beat, Heartbeat, Leave, NodeInfo, View
 log = logging.getLogger(__name__)
 
 MISSED_BEATS = 3
-PAUSED_BEATS = 2.0  # loop turns this far apart mean this process was paused (SIGSTOP, a debugger, swapping)
+PAUSED_BEATS = 2.0  # a sleep this much longer than asked means this process was paused (SIGSTOP, swapping)
 TARGET_BEATS_PER_S = 8.0  # heartbeats a node receives per second from the whole swarm
 MAX_BEAT_S = 60.0
 DIAL_BACKOFF_S = (1.0, 30.0)  # first retry, cap
-MAX_DIALS = 2  # mesh-completion dials in flight at once
+MAX_DIALS = 2  # neighbour dials in flight at once
+NEIGHBOURS = 4  # links kept besides the coordinator and the plan's stages (gossip needs a few)
 RESEND_INFO_BEATS = 10  # a beat to the coordinator carries the full info at least this often
 _messages: Decoder[Heartbeat | Leave] = Decoder(Heartbeat, Leave)
 _beats: Decoder[Beat] = Decoder(Beat, limit=256 * 1024)
@@ -80,12 +88,15 @@ class Membership:
         self._lost: dict[str, float] = {}  # member -> when its connection dropped
         self._dialing: set[str] = set()
         self._dial_after: dict[str, tuple[float, float]] = {}  # member -> (next try, backoff)
-        self.leader: Callable[[], str | None] = lambda: None  # the coordinator followed (set by it)
+        self.lease: Callable[[], tuple[str, int] | None] = lambda: None  # (coordinator followed, term); set by it
+        self.wanted: Callable[[], Iterable[str]] = lambda: ()  # members to stay connected to (set by it)
+        self.on_view: list[Callable[[str, View], None]] = []  # (the member that answered a beat, its answer)
+        self._hint: str | None = None  # the coordinator a member's answer named, until the election names one
         self.views_received = 0
         self._seq = 0  # bumped by every change of a member's info (numbers the views this node serves)
         self._changed_at: dict[str, int] = {}  # member -> the seq of its last change (this node's own: "")
         self._held: tuple[str, int] | None = None  # (coordinator, seq) of the last view taken from it
-        self._acked: NodeInfo | None = None  # the info the coordinator last took from this node
+        self._acked: tuple[str, NodeInfo] | None = None  # (member, the info it last took from this node)
         self._beats_to = 0
 
     @property
@@ -107,6 +118,10 @@ class Membership:
         self.node.subscribe(self.node.topic(ids.MEMBERS_TOPIC), _messages, self._on_message)
         self.node.serve(ids.MEMBERS, self._on_beat, _beats)
         self.node.add_task(self._beat)
+
+    def _leader(self) -> str | None:
+        lease = self.lease()
+        return lease[0] if lease else None
 
     def view(self) -> dict[str, NodeInfo]:
         with self._lock:
@@ -180,9 +195,8 @@ class Membership:
 
     # beats to the coordinator -----------------------------------------------------------------------
     async def _on_beat(self, peer: str, beat: Beat) -> Message:
-        """(As the coordinator.) Take a member's beat; answer with what changed in the view since its last."""
-        if self.leader() != self.node.peer_id:
-            return ErrorReply(error="this node is not the coordinator: beat over gossip", busy=True)
+        """Take a member's beat; answer with what changed in this node's view since its last, and whom this
+        node follows (the coordinator takes every member's beats; others answer newcomers)."""
         now = self.clock()
         if beat.info is not None:
             if beat.info.peer != peer:
@@ -196,59 +210,79 @@ class Membership:
                     return ErrorReply(error="unknown member: send your info", busy=True)
                 self._members[peer] = Member(m.info, now)
         with self._lock:
-            since = beat.since if beat.since <= self._seq else 0  # a number from another coordinator
+            since = beat.since if beat.since <= self._seq else 0  # a number from another node
             live = [(p, max(0.0, now - m.last_seen)) for p, m in self._members.items()]
             changed = [m.info for p, m in self._members.items() if self._changed_at.get(p, 1) > since]
             if since == 0 or self._changed_at.get("", 1) > since:
                 changed.append(self._info)
-            return View(seq=self._seq, live=(*live, (self.node.peer_id, 0.0)), changed=tuple(changed))
+            lease = self.lease()
+            return View(seq=self._seq, live=(*live, (self.node.peer_id, 0.0)), changed=tuple(changed),
+                        coordinator=lease[0] if lease else None, term=lease[1] if lease else 0)
 
-    async def _beat_to(self, leader: str) -> bool:
-        """Beat to the coordinator and take its view; False if that did not work (gossip instead)."""
-        held = self._held[1] if self._held and self._held[0] == leader else 0
+    async def _beat_to(self, peer: str) -> bool:
+        """Beat to `peer` and take its view; True if it is the coordinator (else gossip beats on)."""
+        held = self._held[1] if self._held and self._held[0] == peer else 0
         self._beats_to += 1
         info = self._info
-        send = info if info != self._acked or self._beats_to % RESEND_INFO_BEATS == 0 else None
+        fresh = self._acked != (peer, info) or self._beats_to % RESEND_INFO_BEATS == 0
+        send = info if fresh else None
         try:
-            view: View = await self.node.requests.request(leader, ids.MEMBERS, encode(Beat(info=send, since=held)),
+            view: View = await self.node.requests.request(peer, ids.MEMBERS, encode(Beat(info=send, since=held)),
                                                           _views, timeout=MISSED_BEATS * self.interval)
-        except RemoteError:  # not the coordinator (any more), or it lost this node's info: send it all
+        except RemoteError:  # it lost this node's info: send it all
             self._acked = None
             return False
         except (TimeoutError, PeerUnavailable, NodeError) as e:
-            log.debug("beat to the coordinator %s failed: %s", leader, e)
+            log.debug("beat to %s failed: %s", peer, e)
             return False
         if send is not None:
-            self._acked = send
+            self._acked = (peer, send)
         self.views_received += 1
-        self._take_view(leader, view)
-        return True
+        self._take_view(peer, view)
+        return view.coordinator == peer
 
-    def _take_view(self, leader: str, view: View) -> None:
+    def _take_view(self, peer: str, view: View) -> None:
         now = self.clock()
         ages = dict(view.live)
         for info in view.changed:
             self._heard(info, now - ages.get(info.peer, 0.0))
+        gone = []
         with self._lock:
-            for peer, age in view.live:
-                m = self._members.get(peer)
+            for member, age in view.live:
+                m = self._members.get(member)
                 if m is not None:
-                    self._members[peer] = Member(m.info, max(m.last_seen, now - age))
+                    self._members[member] = Member(m.info, max(m.last_seen, now - age))
+            if view.coordinator == peer:  # the swarm's view: a member it no longer lists is gone
+                connected = set(self.node.connected_peers())
+                gone = [m.info for p, m in self._members.items()
+                        if p not in ages and p not in connected and now - m.last_seen > self.interval]
+                for info in gone:
+                    del self._members[info.peer]
             complete = all(p in self._members or p == self.node.peer_id for p in ages)
-        self._held = (leader, view.seq if complete else 0)  # a member whose info is missing: ask for all
+        self._held = (peer, view.seq if complete else 0)  # a member whose info is missing: ask for all
+        if view.coordinator != self.node.peer_id:
+            self._hint = view.coordinator
+        for info in gone:
+            log.info("member %s is gone: the coordinator no longer lists it", info.peer)
+            self._emit("leave", info)
+        for callback in list(self.on_view):
+            callback(peer, view)
 
-    def _complete_mesh(self, now: float) -> None:
-        """Dial members not yet connected, a few at a time: a swarm starting at once would otherwise spend
-        its first seconds on N^2 handshakes at once (membership does not wait for them: views come from
-        the coordinator)."""
+    def _keep_linked(self, now: float) -> None:
+        """Dial the coordinator, the wanted members and NEIGHBOURS others, a few at a time."""
         connected = set(self.node.connected_peers())
-        for info in self.view().values():
+        view = self.view()
+        leader = self._leader() or self._hint
+        wanted = [p for p in (leader, *self.wanted()) if p in view]
+        others = [p for p in view if p not in connected and p not in wanted]
+        spare = NEIGHBOURS - len(connected - {*wanted})
+        for peer in wanted + random.sample(others, max(0, min(spare, len(others)))):
             if len(self._dialing) >= MAX_DIALS:
                 return
-            after, _ = self._dial_after.get(info.peer, (0.0, 0.0))
-            if info.peer not in connected and info.peer not in self._dialing and now >= after:
-                self._dialing.add(info.peer)
-                self.node.spawn(self._dial, info)
+            after, _ = self._dial_after.get(peer, (0.0, 0.0))
+            if peer not in connected and peer not in self._dialing and now >= after:
+                self._dialing.add(peer)
+                self.node.spawn(self._dial, view[peer])
 
     async def _dial(self, info: NodeInfo) -> None:
         try:
@@ -298,25 +332,27 @@ class Membership:
 
     async def _beat(self) -> None:
         next_beat = last_sent = 0.0
-        last_turn: float | None = None
         while True:
             now = self.clock()
-            if last_turn is not None and now - last_turn > PAUSED_BEATS * self.interval:
-                self._resumed(now, now - last_turn)
-            last_turn = now
-            leader = self.leader()
+            leader = self._leader() or (self._hint if self._hint in self._members else None)
             to_leader = leader is not None and leader != self.node.peer_id and self.node.is_connected(leader)
             period = self.interval if to_leader else self.period()
             if now >= next_beat:  # addresses rarely change, and reading them costs a system call each
                 self.update(addrs=tuple(self.node.addrs), beat_s=period)
             changed = self._published is None or _material(self._published) != _material(self._info)
             if now >= next_beat or changed and now - last_sent >= self.interval / 4:
-                if not (to_leader and leader is not None and await self._beat_to(leader)):
+                greet = None if to_leader or self.views_received else next(iter(self.node.connected_peers()), None)
+                target = leader if to_leader else greet
+                if not (target is not None and await self._beat_to(target)):
                     await self._gossip_beat()
                 self._published = self._info
                 next_beat, last_sent = now + period, now
             for info, why in self._expired(now):
                 log.info("member %s is gone: %s", info.peer, why)
                 self._emit("leave", info)
-            self._complete_mesh(now)
-            await trio.sleep(min(0.25, self.interval / 4))
+            self._keep_linked(now)
+            nap, asleep = min(0.25, self.interval / 4), self.clock()
+            await trio.sleep(nap)
+            late = self.clock() - asleep - nap  # (the sleep alone: a beat awaiting a slow coordinator is no pause)
+            if late > PAUSED_BEATS * self.interval:
+                self._resumed(self.clock(), late)

@@ -217,6 +217,9 @@ class Node:
         except Exception as e:  # noqa: BLE001 - bad multiaddr strings and the like
             raise NodeError(f"bad node configuration: {e}") from e
         self._host = host
+        # py-libp2p's auto-connector dials every peer in the peerstore up to 150 connections: a full mesh,
+        # N^2 handshakes in a swarm starting at once. Membership keeps the links a node needs instead.
+        host.get_network().auto_connector.maybe_connect = _no_auto_connect
         hardening.watch(host, self.strike)  # a peer whose input py-libp2p failed on is struck
         # Rate limits well above our heartbeat rate; localhost peers share one IP, so no IP diversity rule.
         router = GossipSub(protocols=[GOSSIPSUB], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
@@ -612,6 +615,10 @@ class Node:
                 self.strike(author, f"{topic}: {e}")
             except Exception:  # noqa: BLE001
                 log.exception("subscriber of %s failed", topic)
+
+
+async def _no_auto_connect() -> None:
+    pass
 
 
 # py-libp2p encodes base58 in pure Python on every str(ID): one encoding per peer, not per message

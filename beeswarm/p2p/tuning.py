@@ -1,4 +1,4 @@
-"""Three py-libp2p 0.8.1 costs that grow with the swarm, cut (`install()`, called by node.py at import).
+"""Four py-libp2p 0.8.1 costs that grow with the swarm, cut (`install()`, called by node.py at import).
 
 Profiled with py-spy on 12 nodes in one process (benchmarks/mesh_bench.py --sizes 12), the interpreter
 at its one-core limit; of all samples:
@@ -17,6 +17,10 @@ at its one-core limit; of all samples:
 3. ~10% (once 1 and 2 were cut): every pubsub message received runs as a service task, and each task
    takes a `uuid.uuid4()` for its identity (tools/anyio_service/trio_tasks.py:121): an os.urandom
    system call per message. A process-wide counter is as unique for that.
+4. ~6% (48 members in 4 processes, benchmarks/mesh_procs.py): `env_to_send_in_RPC`
+   (peer/peerstore.py:68), called for every pubsub RPC sent, lists the host's addresses (a
+   `getsockname` system call and a multiaddr per listener) to check that its cached record still
+   matches, then serializes the record again. The record's bytes are reused for ADDRS_REFRESH_S.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import types
 import weakref
 from typing import Any
 
+import libp2p.identity.identify.identify as identify_module
+import libp2p.peer.peerstore as peerstore_module
 import libp2p.pubsub.gossipsub as gossipsub_module
 import libp2p.pubsub.pubsub as pubsub_module
 import libp2p.pubsub.utils as pubsub_utils
@@ -34,9 +40,12 @@ import libp2p.stream_muxer.yamux.yamux as yamux_module
 import libp2p.tools.anyio_service.trio_tasks as trio_tasks_module
 
 RECORD_REFRESH_S = 600.0
+ADDRS_REFRESH_S = 5.0  # a new listen address is in this node's signed record within this long
 
 _consume = pubsub_utils.maybe_consume_signed_record
 _task_ids = types.SimpleNamespace(uuid4=itertools.count().__next__)  # one counter however often installed
+_envelope = peerstore_module.env_to_send_in_RPC
+_sent: weakref.WeakKeyDictionary[Any, tuple[bytes, float]] = weakref.WeakKeyDictionary()
 _verified: weakref.WeakKeyDictionary[Any, dict[Any, tuple[bytes, float]]] = weakref.WeakKeyDictionary()
 
 
@@ -75,9 +84,22 @@ def _consume_once(msg: Any, host: Any, peer_id: Any) -> bool:
     return ok
 
 
+@functools.wraps(_envelope)
+def _envelope_cached(host: Any) -> tuple[bytes, bool]:
+    now = time.monotonic()
+    sent = _sent.get(host)
+    if sent is not None and now - sent[1] < ADDRS_REFRESH_S:
+        return sent[0], False
+    envelope, fresh = _envelope(host)
+    _sent[host] = (envelope, now)
+    return envelope, fresh
+
+
 def install() -> None:
-    """Apply the three (each replaces a function outright, so applying them again changes nothing)."""
+    """Apply the four (each replaces a function outright, so applying them again changes nothing)."""
     yamux_module.YamuxStream._auto_tune_and_send_window_update = _window_update  # type: ignore[method-assign]
     trio_tasks_module.uuid = _task_ids  # type: ignore[assignment]
     for module in (pubsub_utils, pubsub_module, gossipsub_module):  # the latter two imported it by name
         module.maybe_consume_signed_record = _consume_once  # type: ignore[attr-defined]
+    for module in (peerstore_module, pubsub_module, gossipsub_module, identify_module):
+        module.env_to_send_in_RPC = _envelope_cached  # type: ignore[attr-defined]

@@ -65,10 +65,14 @@ class Beat(Message, frozen=True, tag="beat"):
 
 
 class View(Message, frozen=True, tag="view"):
-    """The coordinator's view: every live member with the seconds since it was last heard from, and the
-    info of those that changed after `since`. `seq` numbers this view (per coordinator)."""
+    """A member's view, as the answer to a beat: every live member with the seconds since it was last heard
+    from, and the info of those that changed after `since`. `seq` numbers this view (per answering node);
+    `coordinator` is whom the answering node follows, in `term` (itself: it is the coordinator, and the view
+    is the swarm's). Any member answers, so a newcomer learns the swarm from its bootstrap at once."""
 
     seq: Annotated[int, msgspec.Meta(ge=0)]
     live: Annotated[tuple[tuple[PeerId, Annotated[float, msgspec.Meta(ge=0)]], ...],
                     msgspec.Meta(max_length=MAX_MEMBERS)] = ()
     changed: Annotated[tuple[NodeInfo, ...], msgspec.Meta(max_length=MAX_MEMBERS)] = ()
+    coordinator: PeerId | None = None
+    term: Annotated[int, msgspec.Meta(ge=0)] = 0
