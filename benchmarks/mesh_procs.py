@@ -39,6 +39,7 @@ def worker(nodes: int, bootstrap: str | None, interval: float) -> None:
 
     model = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
     made: list[tuple[Node, Membership, CoordinatorService]] = []
+    start_s: list[float] = []
     for _ in range(nodes):
         me = identity.ephemeral()
         boot = bootstrap or (made[0][0].addrs[0] if made else None)
@@ -47,7 +48,9 @@ def worker(nodes: int, bootstrap: str | None, interval: float) -> None:
         members.start()
         coordinator = CoordinatorService(node, members, model, interval=interval)
         coordinator.start()
+        t = time.perf_counter()
         node.start()
+        start_s.append(round(time.perf_counter() - t, 2))
         made.append((node, members, coordinator))
         if len(made) == 1:  # the next worker joins through this one (no single hub for the whole mesh)
             print(json.dumps({"bootstrap": node.addrs[0]}), flush=True)
@@ -57,6 +60,10 @@ def worker(nodes: int, bootstrap: str | None, interval: float) -> None:
             print(json.dumps({
                 "views": [len(m.view()) for _, m, _ in made],
                 "connected": [len(n.connected_peers()) for n, _, _ in made],
+                "linked": [bool(c.lease) and (c.lease.leader == n.peer_id or n.is_connected(c.lease.leader))
+                           for n, _, c in made],
+                "views_received": [m.views_received for _, m, _ in made],
+                "start_s": start_s,
                 "started": len(made),
                 "leaders": [c.lease.leader if c.lease else None for _, _, c in made],
                 "stopped": sum(n.failure is not None or n._thread is None or not n._thread.is_alive()

@@ -6,6 +6,9 @@ known within 3 intervals + 1 s even on a loaded machine), the eligible contribut
 smallest peer id claims term + 1;
 the next smallest waits two intervals more, and so on, so a dead first candidate costs little.
 Higher terms win; equal terms break by the smaller peer id, so merged partitions converge.
+A node that starts a swarm (no bootstrap) claims at once, before it meets anyone, so a swarm starting
+at once has its coordinator in its first second; a node that joins through a bootstrap never claims
+before it has met the swarm.
 """
 from __future__ import annotations
 
@@ -86,6 +89,8 @@ class Election:
         if self.is_leader or not self.eligible or not (self._met or self.founder):
             return None
         silence = now - self.last_heard
+        if self.founder and not self._met and self.current is None:  # the swarm's first node: nobody to wait for
+            silence = float("inf")
         dead = self.current.leader if self.current else None
         ranked = sorted((candidates | {self.me}) - {dead})
         wait = (MISSED_BEATS + BACKOFF_BEATS * ranked.index(self.me)) * self.interval

@@ -331,22 +331,28 @@ class Membership:
             log.debug("heartbeat not sent: %s", e)
 
     async def _beat(self) -> None:
-        next_beat = last_sent = 0.0
+        last_sent = -float("inf")
         while True:
             now = self.clock()
             leader = self._leader() or (self._hint if self._hint in self._members else None)
             to_leader = leader is not None and leader != self.node.peer_id and self.node.is_connected(leader)
-            period = self.interval if to_leader else self.period()
-            if now >= next_beat:  # addresses rarely change, and reading them costs a system call each
+            period = self.interval if to_leader else self.period()  # (due at once when the coordinator is reached)
+            due = now - last_sent >= period
+            if due:  # addresses rarely change, and reading them costs a system call each
                 self.update(addrs=tuple(self.node.addrs), beat_s=period)
             changed = self._published is None or _material(self._published) != _material(self._info)
-            if now >= next_beat or changed and now - last_sent >= self.interval / 4:
+            linking = not to_leader and leader in self._dialing  # beat to it once linked: gossip costs all a copy
+            if (due or changed and now - last_sent >= self.interval / 4) and not linking:
                 greet = None if to_leader or self.views_received else next(iter(self.node.connected_peers()), None)
                 target = leader if to_leader else greet
-                if not (target is not None and await self._beat_to(target)):
+                if target is not None and await self._beat_to(target):
+                    last_sent = now
+                elif target is greet and self._hint not in (None, greet):  # told whom to beat to: dial it first
+                    self._keep_linked(self.clock())
+                else:
                     await self._gossip_beat()
+                    last_sent = now
                 self._published = self._info
-                next_beat, last_sent = now + period, now
             for info, why in self._expired(now):
                 log.info("member %s is gone: %s", info.peer, why)
                 self._emit("leave", info)
