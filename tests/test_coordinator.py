@@ -57,7 +57,7 @@ def test_election_failover_and_plans(contributors):
     nodes = contributors(5)
     wait_for(lambda: agreed(nodes), 5, "one coordinator")
     leader = next(n for n in nodes if n.coord.is_leader)
-    assert leader.peer_id == min(n.peer_id for n in nodes)  # the smallest id claims first
+    assert leader is nodes[0]  # the swarm's first node (no bootstrap) claims at once; joiners never outrank it
     wait_for(lambda: all(n.coord.state.epoch >= 1 and n.coord.state.active for n in nodes), 5, "a plan everywhere")
     spans = sorted(s.span for p in nodes[1].coord.state.active for s in p.stages)
     assert spans[0].start == 0 and spans[-1].end == MODEL.num_layers
@@ -154,6 +154,31 @@ def test_election_state_machine_rules():
     assert not b.observe(Lease(1, "C"))  # same term: the smaller id keeps it
     assert b.observe(Lease(2, "C"))  # a higher term wins
     assert a.observe(Lease(2, "C")) and not a.is_leader
+
+
+def test_a_swarm_starting_at_once_gets_one_claim_and_no_joiner_claims_blind():
+    """48 members starting at once (BENCHMARKS.md): every arrival restarted everyone's wait, so nobody claimed
+    for 30 s; then joiners that had heard nothing yet, their views empty, each claimed a term of their own."""
+    now = [0.0]
+    founder = Election("M", 1.0, clock=lambda: now[0])
+    assert founder.tick(set()) == Lease(1, "M")  # alone, with no bootstrap: at once
+    joiner = Election("A", 1.0, clock=lambda: now[0], founder=False)
+    now[0] += 60.0
+    assert joiner.tick(set()) is None  # it has met nobody: its silence is its own
+    joiner.joined()
+    claims = []
+    for arrival in range(10):  # members keep arriving every half beat
+        now[0] += 0.5
+        joiner.joined()
+        claims.append(joiner.tick({"A", "M", f"Z{arrival}"}))
+    # ... which does not hold off its claim once its first member's wait (2.5 beats) is over
+    assert claims[4] == Lease(1, "A") and claims[:4] == [None] * 4
+    told = Election("B", 1.0, clock=lambda: now[0], founder=False)
+    told.joined()
+    for _ in range(10):  # a member says there is a coordinator: wait for its lease
+        now[0] += 1.0
+        told.told()
+        assert told.tick({"B", "M"}) is None
 
 
 def test_a_dead_leaders_higher_term_does_not_hold_a_follower_back():

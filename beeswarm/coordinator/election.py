@@ -89,7 +89,8 @@ class Election:
         if self.is_leader or not self.eligible or not (self._met or self.founder):
             return None
         silence = now - self.last_heard
-        if self.founder and not self._met and self.current is None:  # the swarm's first node: nobody to wait for
+        if self.founder and not self._met and self.current is None and not candidates - {self.me}:
+            # the swarm's first node, alone: nobody to wait for
             silence = float("inf")
         dead = self.current.leader if self.current else None
         ranked = sorted((candidates | {self.me}) - {dead})

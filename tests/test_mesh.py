@@ -1,0 +1,25 @@
+"""48 members (p2p, membership and election; no model weights) in 4 processes on this machine's cores.
+
+Before membership stopped dialling a full mesh, and before newcomers asked their bootstrap for the
+swarm instead of waiting for gossip, this swarm never converged: views collapsed and up to 47 nodes
+claimed the lease at once (BENCHMARKS.md, "Membership at scale"). How fast it converges is a
+benchmark figure (`benchmarks/mesh_procs.py`); here, that it does, and then holds.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import mesh_procs  # noqa: E402
+
+MEMBERS, WORKERS = 48, 4
+
+
+def test_48_members_converge_and_hold_one_coordinator_with_full_views():
+    run = mesh_procs.run(MEMBERS, WORKERS, seconds=15.0, converge_timeout=90.0, interval=3.0)
+    assert run.workers_exited == 0 and run.stopped == 0, run
+    assert run.converged_s is not None, f"the mesh did not converge: {run}"
+    assert run.after_start_s is not None and run.after_start_s < 30.0, run
+    assert run.max_coordinators_at_once == 1 and len(run.coordinators) == 1, run
+    assert run.min_view == MEMBERS - 1, run
