@@ -310,6 +310,7 @@ class CoordinatorService:
 
     def _apply(self, state: PlanState) -> None:
         self.state = state
+        self.members.refresh()
         for listener in list(self.listeners):
             try:
                 listener(self.state)

@@ -98,6 +98,7 @@ class Membership:
         self._held: tuple[str, int] | None = None  # (coordinator, seq) of the last view taken from it
         self._acked: tuple[str, NodeInfo] | None = None  # (member, the info it last took from this node)
         self._beats_to = 0
+        self._refresh = False  # beat (and take the coordinator's view) at the next turn, not the next period
 
     @property
     def info(self) -> NodeInfo:
@@ -118,6 +119,11 @@ class Membership:
         self.node.subscribe(self.node.topic(ids.MEMBERS_TOPIC), _messages, self._on_message)
         self.node.serve(ids.MEMBERS, self._on_beat, _beats)
         self.node.add_task(self._beat)
+
+    def refresh(self) -> None:
+        """Take the coordinator's view now: a new plan names stages whose new spans this view may not hold
+        yet (routes wait on them), and the next beat would be up to an interval away."""
+        self._refresh = True
 
     def _leader(self) -> str | None:
         lease = self.lease()
@@ -337,7 +343,7 @@ class Membership:
             leader = self._leader() or (self._hint if self._hint in self._members else None)
             to_leader = leader is not None and leader != self.node.peer_id and self.node.is_connected(leader)
             period = self.interval if to_leader else self.period()  # (due at once when the coordinator is reached)
-            due = now - last_sent >= period
+            due = now - last_sent >= period or self._refresh
             if due:  # addresses rarely change, and reading them costs a system call each
                 self.update(addrs=tuple(self.node.addrs), beat_s=period)
             changed = self._published is None or _material(self._published) != _material(self._info)
@@ -345,9 +351,11 @@ class Membership:
             if (due or changed and now - last_sent >= self.interval / 4) and not linking:
                 greet = None if to_leader or self.views_received else next(iter(self.node.connected_peers()), None)
                 target = leader if to_leader else greet
+                self._refresh = False
                 if target is not None and await self._beat_to(target):
                     last_sent = now
-                elif target is greet and self._hint not in (None, greet):  # told whom to beat to: dial it first
+                elif target is not None and target == greet and self._hint not in (None, greet):
+                    # told whom to beat to: dial it first (once: a node that has a view greets no more)
                     self._keep_linked(self.clock())
                 else:
                     await self._gossip_beat()

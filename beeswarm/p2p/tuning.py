@@ -17,7 +17,7 @@ at its one-core limit; of all samples:
 3. ~10% (once 1 and 2 were cut): every pubsub message received runs as a service task, and each task
    takes a `uuid.uuid4()` for its identity (tools/anyio_service/trio_tasks.py:121): an os.urandom
    system call per message. A process-wide counter is as unique for that.
-4. ~6% (48 members in 4 processes, benchmarks/mesh_procs.py): `env_to_send_in_RPC`
+4. ~6% (a worker of benchmarks/mesh_procs.py: 12 nodes of a 48-member mesh): `env_to_send_in_RPC`
    (peer/peerstore.py:68), called for every pubsub RPC sent, lists the host's addresses (a
    `getsockname` system call and a multiaddr per listener) to check that its cached record still
    matches, then serializes the record again. The record's bytes are reused for ADDRS_REFRESH_S.
