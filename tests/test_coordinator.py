@@ -102,6 +102,33 @@ def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator
     assert deaf.coord.pulled_plans >= 1
 
 
+def test_a_newcomer_deaf_to_gossip_learns_the_swarm_and_its_coordinator_from_its_bootstrap(contributors, mesh):
+    """A newcomer used to wait for gossip (heartbeats, lease beats) that a loaded mesh delivers late, and
+    claimed a term of its own meanwhile. Now its bootstrap answers its first beat with the view and whom it
+    follows, and the coordinator's answers to its beats are its lease beats."""
+    first = contributors(3)
+    wait_for(lambda: agreed(first), 5, "one coordinator")
+    leader = next(n for n in first if n.coord.is_leader)
+    bootstrap = next(n for n in first if n is not leader)
+
+    def deaf(node):  # subscribes to nothing: no heartbeat, lease beat or plan ever reaches it over gossip
+        node.subscribe = lambda topic, messages, callback: None
+        node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
+        node.coord.start()
+
+    (newcomer,) = mesh(1, bootstrap=[bootstrap.addrs[0]], info=contributor_info, setup=deaf)
+    def follows(node) -> bool:
+        lease, theirs = node.coord.lease, leader.coord.lease
+        return lease is not None and (lease.term, lease.leader) == (theirs.term, theirs.leader)
+
+    wait_for(lambda: follows(newcomer) and len(newcomer.members.view()) == 3, 3 * INTERVAL,
+             "the newcomer to know every member and follow the coordinator")
+    assert newcomer.peer_id in leader.members.view()
+    time.sleep(4 * INTERVAL)  # longer than any claim would wait
+    assert follows(newcomer) and not newcomer.coord.is_leader
+    assert leaders(first + [newcomer]) == {leader.peer_id}
+
+
 def test_link_probes_reach_the_coordinators_cluster(contributors):
     nodes = contributors(3)
     stop = threading.Event()
