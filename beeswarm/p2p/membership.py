@@ -17,10 +17,11 @@ What grows with the swarm is kept flat per node:
   heartbeat.
 - A pause of this process (SIGSTOP, swapping) is not everyone else's silence: when the loop wakes
   PAUSED_BEATS intervals late, every member's silence timer starts again.
-- A newcomer's first beat goes to a member it is connected to (its bootstrap): any member answers
-  with its view and whom it follows, so the newcomer knows the swarm and its coordinator within one
-  round trip instead of waiting for gossip; the coordinator's own answers also tell the election that
-  it lives (`on_view`), whatever gossip drops.
+- A newcomer's first beat goes to a member it is connected to (its bootstrap), which answers with
+  whom it follows (and where to dial it): the newcomer beats to the coordinator at once instead of
+  waiting for gossip. A member speaks for itself and the coordinator it names, never for others: only
+  the coordinator's answer is a view. Its answers also tell the election that it lives (`on_view`),
+  whatever gossip drops.
 - Connections are not a full mesh (N^2 handshakes, ~40 ms of CPU each, would swamp a swarm starting
   at once): a node keeps links to its coordinator, the members `wanted()` names (the plan's stages)
   and NEIGHBOURS others for gossip; other links are dialled on demand. Dials back off per
@@ -201,8 +202,8 @@ class Membership:
 
     # beats to the coordinator -----------------------------------------------------------------------
     async def _on_beat(self, peer: str, beat: Beat) -> Message:
-        """Take a member's beat; answer with what changed in this node's view since its last, and whom this
-        node follows (the coordinator takes every member's beats; others answer newcomers)."""
+        """Take a member's beat. The coordinator answers with what changed in its view since the member's
+        last; another node (a newcomer's bootstrap) with whom it follows and that one's info."""
         now = self.clock()
         if beat.info is not None:
             if beat.info.peer != peer:
@@ -215,15 +216,20 @@ class Membership:
                 if m is None:
                     return ErrorReply(error="unknown member: send your info", busy=True)
                 self._members[peer] = Member(m.info, now)
+        lease = self.lease()
+        coordinator, term = lease if lease else (None, 0)
         with self._lock:
-            since = beat.since if beat.since <= self._seq else 0  # a number from another node
+            if coordinator != self.node.peer_id:  # not the swarm's view: only whom to ask for it (and where)
+                known = self._members.get(coordinator or "")
+                return View(seq=0, live=((self.node.peer_id, 0.0),), coordinator=coordinator, term=term,
+                            changed=(self._info, known.info) if known else (self._info,))
+            since = beat.since if beat.since <= self._seq else 0  # a number from another coordinator
             live = [(p, max(0.0, now - m.last_seen)) for p, m in self._members.items()]
             changed = [m.info for p, m in self._members.items() if self._changed_at.get(p, 1) > since]
             if since == 0 or self._changed_at.get("", 1) > since:
                 changed.append(self._info)
-            lease = self.lease()
             return View(seq=self._seq, live=(*live, (self.node.peer_id, 0.0)), changed=tuple(changed),
-                        coordinator=lease[0] if lease else None, term=lease[1] if lease else 0)
+                        coordinator=coordinator, term=term)
 
     async def _beat_to(self, peer: str) -> bool:
         """Beat to `peer` and take its view; True if it is the coordinator (else gossip beats on)."""
@@ -250,23 +256,25 @@ class Membership:
     def _take_view(self, peer: str, view: View) -> None:
         now = self.clock()
         ages = dict(view.live)
-        for info in view.changed:
-            self._heard(info, now - ages.get(info.peer, 0.0))
+        swarm = view.coordinator == peer  # the coordinator's view; another member's only says whom to ask
+        for info in view.changed:  # (a member speaks for itself and the coordinator it names, for no one else)
+            if swarm or info.peer in (peer, view.coordinator):
+                self._heard(info, now - ages.get(info.peer, 0.0))
         gone = []
-        with self._lock:
-            for member, age in view.live:
-                m = self._members.get(member)
-                if m is not None:
-                    self._members[member] = Member(m.info, max(m.last_seen, now - age))
-            if view.coordinator == peer:  # the swarm's view: a member it no longer lists is gone
-                connected = set(self.node.connected_peers())
+        if swarm:
+            with self._lock:
+                for member, age in view.live:
+                    m = self._members.get(member)
+                    if m is not None:
+                        self._members[member] = Member(m.info, max(m.last_seen, now - age))
+                connected = set(self.node.connected_peers())  # a member the coordinator no longer lists is gone
                 gone = [m.info for p, m in self._members.items()
                         if p not in ages and p not in connected and now - m.last_seen > self.interval]
                 for info in gone:
                     del self._members[info.peer]
-            complete = all(p in self._members or p == self.node.peer_id for p in ages)
-        self._held = (peer, view.seq if complete else 0)  # a member whose info is missing: ask for all
-        if view.coordinator != self.node.peer_id:
+                complete = all(p in self._members or p == self.node.peer_id for p in ages)
+            self._held = (peer, view.seq if complete else 0)  # a member whose info is missing: ask for all
+        elif view.coordinator != self.node.peer_id:
             self._hint = view.coordinator
         for info in gone:
             log.info("member %s is gone: the coordinator no longer lists it", info.peer)

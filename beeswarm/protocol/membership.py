@@ -65,10 +65,10 @@ class Beat(Message, frozen=True, tag="beat"):
 
 
 class View(Message, frozen=True, tag="view"):
-    """A member's view, as the answer to a beat: every live member with the seconds since it was last heard
-    from, and the info of those that changed after `since`. `seq` numbers this view (per answering node);
-    `coordinator` is whom the answering node follows, in `term` (itself: it is the coordinator, and the view
-    is the swarm's). Any member answers, so a newcomer learns the swarm from its bootstrap at once."""
+    """The answer to a beat. From the coordinator (`coordinator` names the answering node): every live
+    member with the seconds since it was last heard from, and the info of those that changed after
+    `since`; `seq` numbers this view. From another member (a newcomer's bootstrap): whom it follows, in
+    `term`, with its own info and that coordinator's, so the newcomer can dial it at once."""
 
     seq: Annotated[int, msgspec.Meta(ge=0)]
     live: Annotated[tuple[tuple[PeerId, Annotated[float, msgspec.Meta(ge=0)]], ...],
