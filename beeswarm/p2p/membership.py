@@ -17,11 +17,10 @@ What grows with the swarm is kept flat per node:
   heartbeat.
 - A pause of this process (SIGSTOP, swapping) is not everyone else's silence: when the loop wakes
   PAUSED_BEATS intervals late, every member's silence timer starts again.
-- A newcomer's first beat goes to a member it is connected to (its bootstrap), which answers with
-  whom it follows (and where to dial it): the newcomer beats to the coordinator at once instead of
-  waiting for gossip. A member speaks for itself and the coordinator it names, never for others: only
-  the coordinator's answer is a view. Its answers also tell the election that it lives (`on_view`),
-  whatever gossip drops.
+- A newcomer's first beat goes to its bootstrap, which answers with whom it follows (and where to
+  dial it): the newcomer beats to the coordinator at once instead of waiting for gossip. A member
+  speaks for itself and the coordinator it names, never for others: only the coordinator's answer is
+  a view. Its answers also tell the election that it lives (`on_view`), whatever gossip drops.
 - Connections are not a full mesh (N^2 handshakes, ~40 ms of CPU each, would swamp a swarm starting
   at once): a node keeps links to its coordinator, the members `wanted()` names (the plan's stages)
   and NEIGHBOURS others for gossip; other links are dialled on demand. Dials back off per
@@ -231,6 +230,11 @@ class Membership:
             return View(seq=self._seq, live=(*live, (self.node.peer_id, 0.0)), changed=tuple(changed),
                         coordinator=coordinator, term=term)
 
+    def _bootstrap_peer(self) -> str | None:
+        """A bootstrap node this node is connected to: whom a newcomer asks (a swarm's first node asks no one)."""
+        connected = set(self.node.connected_peers())
+        return next((p for a in self.node.config.bootstrap if (p := a.rsplit("/p2p/", 1)[-1]) in connected), None)
+
     async def _beat_to(self, peer: str) -> bool:
         """Beat to `peer` and take its view; True if it is the coordinator (else gossip beats on)."""
         held = self._held[1] if self._held and self._held[0] == peer else 0
@@ -357,7 +361,7 @@ class Membership:
             changed = self._published is None or _material(self._published) != _material(self._info)
             linking = not to_leader and leader in self._dialing  # beat to it once linked: gossip costs all a copy
             if (due or changed and now - last_sent >= self.interval / 4) and not linking:
-                greet = None if to_leader or self.views_received else next(iter(self.node.connected_peers()), None)
+                greet = None if to_leader or self.views_received else self._bootstrap_peer()
                 target = leader if to_leader else greet
                 self._refresh = False
                 if target is not None and await self._beat_to(target):
