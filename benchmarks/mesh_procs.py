@@ -22,6 +22,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -87,6 +88,7 @@ class MeshRun:
     max_coordinators_at_once: int = 0
     stopped: int = 0
     workers_exited: int = 0
+    exit_errors: list[str] = field(default_factory=list)  # the end of each exited worker's stderr
     cores: float = 0.0  # CPU of all workers per second of the observed window
 
 
@@ -107,10 +109,10 @@ def run(members: int = 48, workers: int = 4, seconds: float = 120.0, converge_ti
     lines: queue.Queue = queue.Queue()
     procs: list[subprocess.Popen] = []
     result = MeshRun(members, workers)
+    errs = [tempfile.TemporaryFile("w+") for _ in per]  # why a worker exited, if one does
     try:
         t0 = time.monotonic()
-        first = subprocess.Popen(cmd + [str(per[0])], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                 text=True, env=env)
+        first = subprocess.Popen(cmd + [str(per[0])], stdout=subprocess.PIPE, stderr=errs[0], text=True, env=env)
         procs.append(first)
         threading.Thread(target=_reader, args=(first, lines, 0), daemon=True).start()
         for i, n in enumerate(per[1:], start=1):
@@ -119,7 +121,7 @@ def run(members: int = 48, workers: int = 4, seconds: float = 120.0, converge_ti
                 index, msg = lines.get(timeout=60)
                 bootstrap = msg.get("bootstrap") if index == i - 1 else None
             proc = subprocess.Popen(cmd + [str(n), "--bootstrap", bootstrap], stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True, env=env)
+                                    stderr=errs[i], text=True, env=env)
             procs.append(proc)
             threading.Thread(target=_reader, args=(proc, lines, i), daemon=True).start()
         latest: dict[int, dict] = {}
@@ -167,6 +169,10 @@ def run(members: int = 48, workers: int = 4, seconds: float = 120.0, converge_ti
                                              2)
                         break
             if result.workers_exited:
+                for proc, err in zip(procs, errs):
+                    if proc.poll() is not None:
+                        err.seek(0)
+                        result.exit_errors.append(err.read()[-800:])
                 break
         return result
     finally:
@@ -177,6 +183,8 @@ def run(members: int = 48, workers: int = 4, seconds: float = 120.0, converge_ti
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for err in errs:
+            err.close()
 
 
 def main() -> None:
