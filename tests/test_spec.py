@@ -17,7 +17,17 @@ from beeswarm.spec import decode
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftError, DraftModel
 from beeswarm.spec.tree import ROOT, DraftTree, grow_tree
-from beeswarm.spec.tuner import MAX_DEPTH, AcceptanceStats, Rates, RoundCosts, TreeShape, Tuner, rate
+from beeswarm.spec.tuner import (
+    MAX_DEPTH,
+    Q_EDGES,
+    AcceptanceStats,
+    Calibration,
+    Rates,
+    RoundCosts,
+    TreeShape,
+    Tuner,
+    rate,
+)
 from beeswarm.spec.verify import Verdict, verify
 
 PROMPT = [5, 100, 200, 33, 7, 9]
@@ -235,6 +245,61 @@ def test_speculative_sampling_leaves_the_target_distribution(tiny_vocab_logits, 
 
 
 # --- tuner ----------------------------------------------------------------------------------------
+def test_calibration_says_how_often_the_target_takes_a_candidate():
+    """Before anything is judged a candidate is worth the draft's own probability; then what was judged, per
+    probability bin and rank."""
+    calibration = Calibration()
+    assert calibration.chance(0.1, 0) == pytest.approx(0.1)
+    for k in range(200):
+        calibration.record(0.1, 0, k < 80)
+        calibration.record(0.1, 1, k < 10)
+    assert calibration.chance(0.1, 0) == pytest.approx(0.4, abs=0.01)
+    assert calibration.chance(0.1, 1) == pytest.approx(0.05, abs=0.01)
+    assert calibration.chance(0.5, 0) == pytest.approx(0.5)  # another bin: nothing judged there
+
+
+class CountingTarget(decode.Eager):
+    """A synchronous target that counts the steps sent and not collected yet."""
+
+    def __init__(self, forward):
+        super().__init__(forward)
+        self.outstanding = self.most = 0
+
+    def submit(self, ids, start, mask, keep, cancel=False):
+        self.outstanding += 1
+        self.most = max(self.most, self.outstanding)
+        return super().submit(ids, start, mask, keep, cancel)
+
+    def collect(self, handle):
+        self.outstanding -= 1
+        return super().collect(handle)
+
+    def discard(self, handle):
+        self.outstanding -= 1
+
+
+def test_pipelined_steps_rank_places_by_what_the_target_took_and_replace_dead_steps(tinycode):
+    """tinycode's draft is under-confident: the target takes its first candidates far more often than the
+    draft's softmax says (those with q <= 0.3 about half the time), and the walk learns so; a step hung under
+    a branch the walk left frees its place in flight at once, so more steps are out than the plan keeps live."""
+    capacity = 900
+    session = tinycode.open(capacity)
+    target = CountingTarget(lambda t, s, m, k: tinycode.forward(session, t, s, m, k))
+    tuner, report = Tuner(depth=2, width=2, in_flight=4), SpecReport()
+    speculative_generate(target, draft(tinycode), PROMPT, 60, GREEDY, tuner, report=report, max_length=capacity,
+                         max_in_flight=4)
+    tinycode.close(session)
+
+    def taken(rank: int, most_q: float) -> tuple[float, float]:
+        counts = [c for (r, b), c in tuner.calibration.counts.items() if r == rank and b <= Q_EDGES.index(most_q)]
+        judged, took = map(sum, zip(*counts, strict=True))
+        return judged, took / judged
+    judged, share = taken(0, 0.3)
+    assert judged >= 20 and share > 0.3
+    assert taken(2, 0.3)[1] < 0.1  # third candidates: rarely
+    assert max(report.in_flight) == 4 and target.most > 4
+
+
 @pytest.mark.parametrize("a,best", [(0.6, 6), (0.7, 8), (0.8, 12), (0.9, 21)])
 def test_tuner_chain_depth_matches_the_closed_form(a, best):
     stats, costs = AcceptanceStats(constant=a), RoundCosts(draft_level_s=0.005, fixed_s=0.033 + 0.280)
@@ -365,7 +430,7 @@ def test_pipelined_plans_on_long_rings_at_good_acceptance_and_serial_rounds_else
     costs = RoundCosts(draft_level_s=0.002, fixed_s=0.3, per_token_s=0.0)
     good = stats_at(0.8)
     tree = Tuner(good, costs).choose()
-    assert Rates(good, costs).rate(tree, tree, 1, 1) == pytest.approx(rate(tree, good, costs))
+    assert Rates(good, costs).rate(tree, 1) == pytest.approx(rate(tree, good, costs))
     long_ring = Tuner(good, costs).plan()
     assert long_ring.depth > 1 and long_ring.rate >= 1.05 * long_ring.serial_rate
     assert Tuner(good, RoundCosts(0.002, 0.004, 0.0)).plan().depth == 1  # short ring: a step is barely a draft

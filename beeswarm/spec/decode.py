@@ -84,7 +84,7 @@ class SpecReport:
     cancelled: int = 0  # steps none of whose nodes could still be committed when they returned
     rows_sent: int = 0  # positions the stages computed
     rows_cancelled: int = 0  # ... in cancelled steps
-    in_flight: collections.Counter = field(default_factory=collections.Counter)  # steps in flight at each send
+    in_flight: collections.Counter = field(default_factory=collections.Counter)  # live steps in flight at each send
     plan: Plan | None = None
 
     def as_json(self) -> dict:
@@ -106,6 +106,7 @@ class _Step:
     sent: float
     draft_s: float
     levels: int
+    dead: bool = False  # none of its nodes can be committed any more
 
 
 class _Speculation:
@@ -128,9 +129,10 @@ class _Speculation:
         self.kv_end = base  # the stages' KV length once every step sent has run
         self.rows: dict[int, torch.Tensor] = {}  # the target's logits after each node whose result arrived
         self.level = {self.at: 0}  # a node's depth below the last fresh round's root (the tuner's statistics)
-        self.prob: dict[int, float] = {}  # the draft's probability of a drafted node given its parent
+        self.drafted: dict[int, tuple[float, int]] = {}  # a drafted node: the draft's probability, its rank
         self.flight: collections.deque[_Step] = collections.deque()
         self.cancelling = False  # the next step cancels those before it
+        self.step_s = 0.01  # the entry's time for a continuation step (running average)
         self.plan = tuner.plan(max_in_flight)
         self.planned = (time.perf_counter(), len(self.committed))  # when, and the tokens committed then
 
@@ -147,6 +149,9 @@ class _Speculation:
                                  min(self.level[self.at] + 1, MAX_DEPTH), trials)
             for depth, candidate, ok in trials:
                 self.tuner.stats.record(depth, candidate, ok)
+            for node in self.tree.children(self.at):
+                if node in self.drafted:
+                    self.tuner.calibration.record(*self.drafted[node], self.tree.tokens[node] == token)
             self.report.tried[-1] += len(trials)
             child = child if child is not None else self.tree.child(self.at, token)
             if child is None:  # the target's own token: a new node, sent with the next step
@@ -178,13 +183,30 @@ class _Speculation:
         """A fresh round when the walk's node is not sent yet (at the start, after a miss), then continuations
         until `plan.depth` steps are in flight."""
         if self.fresh:
-            if time.perf_counter() - self.planned[0] >= REPLAN_S:
+            if time.perf_counter() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
                 self.replan()
             self.send([(self.at, None)], self.plan.fresh)
-        while len(self.flight) < self.plan.depth:
+        while self.live_steps() < self.plan.depth or (self.plan.depth > 1 and self.idle()):
             hangs = self.frontier(self.plan.hangs)
             if not hangs or not self.send(hangs, self.plan.more):
                 return
+
+    def idle(self) -> bool:
+        """Time for one more continuation before the oldest step in flight is due back (a ring after it was sent):
+        drafting it then delays nothing the walk waits for, and covers deeper (up to `max_in_flight` steps)."""
+        if not self.flight or len(self.flight) >= self.max_in_flight:
+            return False
+        due = self.flight[0].sent + self.tuner.costs.fixed_s
+        return time.perf_counter() + 2 * self.step_s < due
+
+    def live_steps(self) -> int:
+        """Steps in flight whose results the walk may still use: the plan's depth counts only those, so a step
+        hung under a branch the walk left is replaced at once rather than when it returns."""
+        live = 0
+        for step in self.flight:
+            step.dead = step.dead or not any(n == self.at or (n in self.slots and self.alive(n)) for n in step.rows)
+            live += not step.dead
+        return live
 
     def replan(self, again: bool = True) -> None:
         """Plan again from what the statistics say now; a pipelined plan's measured rate calibrates the next."""
@@ -198,6 +220,7 @@ class _Speculation:
         """The `count` likeliest places (under the draft) to speculate further below the walk's node: a leaf no
         step extends yet (node, None), or a node not judged yet that gets one more candidate (node, token)."""
         found: list[tuple[float, int, int | None]] = []
+        chance = self.tuner.calibration.chance
         stack = [(self.at, 1.0)]
         while stack:
             node, p = stack.pop()
@@ -211,8 +234,8 @@ class _Speculation:
                 top = dist.topk(min(len(dist), len(self.tree.children(node)) + 1)).indices.tolist()
                 token = next((t for t in top if self.tree.child(node, t) is None), None)
                 if token is not None:
-                    found.append((p * float(dist[token]), node, token))
-            stack += [(c, p * self.prob[c]) for c in children]
+                    found.append((p * chance(float(dist[token]), len(self.tree.children(node))), node, token))
+            stack += [(c, p * chance(*self.drafted[c])) for c in children]
         found.sort(key=lambda f: -f[0])
         return [(node, token) for _, node, token in found[:count]]
 
@@ -224,7 +247,8 @@ class _Speculation:
         if self.tree.child(node, token) is not None:
             return None  # a repeat draw: tried again at verification, nothing new to compute
         child = self.tree.add(node, token)
-        self.prob[child], self.level[child] = float(self.tree.dists[node][token]), self.level[node] + 1
+        self.drafted[child] = float(self.tree.dists[node][token]), len(self.tree.children(node)) - 1
+        self.level[child] = self.level[node] + 1
         return child
 
     def send(self, hangs: list[tuple[int, int | None]], shape: TreeShape) -> bool:
@@ -255,13 +279,18 @@ class _Speculation:
         if not rows:
             return False
         col = {node: j for j, node in enumerate(window + rows)}
-        mask = torch.zeros(len(rows), len(col), dtype=torch.bool)
+        seen_rows, seen_cols = [], []  # each row sees its ancestors in the window
         for i, node in enumerate(rows):
             while node in col:
-                mask[i, col[node]] = True
+                seen_rows.append(i)
+                seen_cols.append(col[node])
                 node = self.tree.parents[node]
+        mask = torch.zeros(len(rows), len(col), dtype=torch.bool)
+        mask[seen_rows, seen_cols] = True
         start, sent = self.kv_end, time.perf_counter()
         draft_s = sent - t0
+        if not self.fresh:
+            self.step_s += 0.3 * (draft_s - self.step_s)
         handle = self.target.submit(torch.tensor([self.tree.tokens[n] for n in rows]), start, mask, keep,
                                     self.cancelling)
         self.cancelling = False
@@ -271,7 +300,7 @@ class _Speculation:
         self.kv_end = start + len(rows)
         self.report.steps += 1
         self.report.rows_sent += len(rows)
-        self.report.in_flight[len(self.flight) + 1] += 1
+        self.report.in_flight[self.live_steps() + 1] += 1
         self.report.shapes[shape.widths] += 1
         self.flight.append(_Step(handle, rows, sent, draft_s, shape.depth + 1))
         return True
@@ -283,7 +312,7 @@ class _Speculation:
             found = self.tree.child(ids[parent], token)
             if found is None:
                 found = self.tree.add(ids[parent], token)
-                self.prob[found] = float(forest.dists[parent][token])
+                self.drafted[found] = float(forest.dists[parent][token]), len(self.tree.children(ids[parent])) - 1
                 self.level[found] = self.level[ids[parent]] + 1
                 new.append(found)
             ids[i] = found
@@ -311,7 +340,7 @@ class _Speculation:
         for node in sent:
             del self.slots[node]
             if node not in kept:
-                self.prob.pop(node, None), self.level.pop(node, None)
+                self.drafted.pop(node, None), self.level.pop(node, None)
         for node in [n for n in self.tree.candidates if n not in kept]:
             del self.tree.candidates[node], self.tree.dists[node]  # never judged: free their distributions
         self.rows = {n: r for n, r in self.rows.items() if n in kept}

@@ -80,13 +80,15 @@ class DraftModel:
             if a != b:
                 break
             same += 1
-        same = min(same, len(committed) - 1)  # re-read at least the last token: its logits are the root's
-        hidden = self.span.step_one(self.session, self.entry.embed(torch.tensor(committed[same:])), same)
-        self.read = list(committed)
         base = len(committed)
         tree = DraftTree()
         ends = [tree.insert(path) for path in paths]
-        logits = {ROOT: self.entry.logits(hidden[-1:])[0]}
+        logits = {}
+        if same < base or ROOT in ends:  # re-read at least the last token when its logits are a root's
+            same = min(same, base - 1)
+            hidden = self.span.step_one(self.session, self.entry.embed(torch.tensor(committed[same:])), same)
+            logits[ROOT] = self.entry.logits(hidden[-1:])[0]
+        self.read = list(committed)
         if len(tree):
             out = self.span.step_one(self.session, self.entry.embed(torch.tensor(tree.tokens)), base, tree.ancestors())
             rows = self.entry.logits(out)

@@ -7,26 +7,24 @@ tokens on average, where `hit_d(w)` is the chance the target's token is among `w
 depth d, from running acceptance counts. The tuner maximises tokens per second. With every width 1
 this is the closed form `(1 - a^(K+1)) / (1 - a) / (K*c_d + C + T_ring)`.
 
-Pipelined speculation (`Tuner.plan`) keeps up to D steps in flight: while one crosses the ring, the
-next hangs small trees under the likeliest places below those before it (leaves, or one more
-candidate at a node not judged yet). A step whose places the walk reaches is followed one step time
-Delta later instead of a ring later; one it does not reach costs a fresh round. A two-state chain
-(fresh, continuing) gives the rate in closed form (`Rates.rate`): with c_f and c_c the chances that the
-walk reaches a place the next step extends (from a fresh tree, from a continuation), the stationary
-shares are pi_F = (1 - c_c) / (1 - c_c + c_f) and pi_C = 1 - pi_F, and
+Pipelined speculation (`Tuner.plan`) keeps up to D steps in flight: after a fresh round (the serial tree
+F, K_F levels), each step hangs `CONTINUATION` trees under the likeliest places below the steps before it
+(leaves, or one more candidate at a node not judged yet), ranked by `Calibration`. Only a miss (the
+target's token not in the tree) costs a ring; between misses the walk only waits for the continuations
+it needs, each a step time Delta after the one before. So per miss (`Rates.rate`), with the fresh tree's
+levels one candidate wider and D - 1 continuations of K_M levels of width w_M below them (L levels in
+all, widths w'_d, reach R_k = prod_{d<=k} hit_d(w'_d)):
 
-    rate = (pi_F (E_F - c_f) + pi_C (E_C - c_c)) / (pi_F T_F + pi_C Delta),  Delta = max(t_draft, T_C / D)
+    rate = (1 + sum_{k<=L} R_k) / (T_F + Delta * sum_{i<D} R_{K_F + (i-1) K_M}),  T_F = K_F c_d + C + T_ring
 
-(a reached place's token is the next step's to verify, so it leaves the round's count). D = 1 gives the
-serial rate E_F / T_F.
+D = 1 gives the serial rate E_F / T_F. What the form leaves out (the entry's own time, the cores the
+stages share) is learned by scaling it with what pipelined plans measured.
 
 Pure: no torch, no networking.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
-import math
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -40,7 +38,6 @@ MEASURED_TRIALS = 32  # candidates judged before a pipelined plan is weighed
 # the stages' share of two cores, ate the gain at every shorter ring in spec_bench's sweep.
 MIN_RING_S = 0.2
 EXPLORE = 1.05  # a pipelined plan is tried when its closed form beats serial rounds by this
-HANGS = (1, 2, 4, 8)  # places (leaves, new candidates) a continuation step extends
 # Acceptance before any round is measured: a draft paired with its target usually agrees about half
 # the time; later candidates at a node are accepted far less often than the first.
 PRIOR_FIRST, PRIOR_LATER, PRIOR_WEIGHT = 0.5, 0.15, 2.0
@@ -74,6 +71,15 @@ class TreeShape:
     def nodes(self) -> int:
         """Nodes the tree may have: the full tree, capped at max_nodes."""
         return min(self.full_nodes, self.max_nodes)
+
+
+# A continuation step: two candidates and a chain below each, under each of the 8 likeliest places (leaves,
+# or nodes given one more candidate). On spec_bench's 280 ms ring it beat deeper or narrower continuations
+# ((3,3,1,1) under 2 places: 12.1 tok/s; (2,1) under 8: 13.7); and 4 steps in flight did as well as 6 or 8
+# (13.4 with 8), for half the stages' compute and wire bytes: the tuner keeps at most 4 in flight.
+CONTINUATION = TreeShape((2, 1))
+CONTINUATION_PLACES = 8
+MAX_TUNED_IN_FLIGHT = 4
 
 
 @dataclass
@@ -128,6 +134,34 @@ class AcceptanceStats:
         return out
 
 
+# Upper edges of the draft-probability bins `Calibration` counts in (a small draft's softmax is flat: tinycode's
+# draft gives its first candidate q ~ 0.1 where the target takes it 41% of the time, q ~ 0.26 where it does 75%).
+Q_EDGES = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+CALIBRATION_PRIOR = 2.0  # pseudo-counts at the draft's own probability, per bin
+
+
+@dataclass
+class Calibration:
+    """How often the target takes a drafted candidate, by the draft's probability q for it and its rank among
+    its node's candidates (first, second, later): what pipelined steps rank the places to extend by."""
+
+    counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (rank, bin) -> [judged, taken]
+
+    @staticmethod
+    def _key(q: float, rank: int) -> tuple[int, int]:
+        return min(rank, 2), bisect.bisect_left(Q_EDGES, q)
+
+    def record(self, q: float, rank: int, taken: bool) -> None:
+        count = self.counts.setdefault(self._key(q, rank), [0.0, 0.0])
+        count[0] += 1
+        count[1] += taken
+
+    def chance(self, q: float, rank: int) -> float:
+        """The chance the target takes this candidate, given the walk reaches its node."""
+        judged, taken = self.counts.get(self._key(q, rank), (0.0, 0.0))
+        return (taken + CALIBRATION_PRIOR * q) / (judged + CALIBRATION_PRIOR)
+
+
 @dataclass
 class RoundCosts:
     """Seconds: one draft level, the ring's fixed part (C + T_ring), and each token a step carries."""
@@ -168,13 +202,10 @@ def candidate_shapes(depth: int | None = None, width: int | None = None,
 
 
 class Rates:
-    """Expected tokens, leaf reach and rates of shapes under one snapshot of the statistics (cached: a plan
-    weighs a few hundred combinations)."""
+    """Expected tokens and rates of shapes under one snapshot of the statistics (cached: a plan weighs dozens)."""
 
     def __init__(self, stats: AcceptanceStats, costs: RoundCosts):
         self.stats, self.costs, self.hits = stats, costs, stats.hits()
-        self._probs: dict[tuple[int, int], list[float]] = {}
-        self._reach: dict[tuple[tuple[int, ...], int], float] = {}
         self._tokens: dict[tuple[int, ...], float] = {}
 
     def tokens(self, shape: TreeShape) -> float:
@@ -182,53 +213,23 @@ class Rates:
             self._tokens[shape.widths] = expected_tokens(shape, self.stats, self.hits)
         return self._tokens[shape.widths]
 
-    def probs(self, depth: int, width: int) -> list[float]:
-        """The chance the target's token is exactly each of `width` candidates at `depth`, likeliest first."""
-        key = (depth, width)
-        if key not in self._probs:
-            out, miss = [], 1.0
-            for i in range(width):
-                r = self.stats.rate(depth, i)
-                out.append(miss * r)
-                miss *= 1.0 - r
-            self._probs[key] = sorted(out, reverse=True)
-        return self._probs[key]
-
-    def reach(self, shape: TreeShape, top: int) -> float:
-        """The chance the walk reaches one of the `top` likeliest full-depth leaves of `shape`."""
-        key = (shape.widths, top)
-        if key not in self._reach:
-            levels = [self.probs(d, w) for d, w in enumerate(shape.widths, start=1)]
-            # the `top` largest products of one factor per level, best-first
-            best: list[float] = []
-            heap = [(-math.prod(level[0] for level in levels), (0,) * len(levels))]
-            seen = {heap[0][1]}
-            while heap and len(best) < top:
-                neg, idx = heapq.heappop(heap)
-                best.append(-neg)
-                for d in range(len(levels)):
-                    nxt = idx[:d] + (idx[d] + 1,) + idx[d + 1:]
-                    if nxt[d] < len(levels[d]) and nxt not in seen:
-                        seen.add(nxt)
-                        heapq.heappush(heap, (-math.prod(levels[k][i] for k, i in enumerate(nxt)), nxt))
-            self._reach[key] = sum(best)
-        return self._reach[key]
-
-    def rate(self, fresh: TreeShape, more: TreeShape, hangs: int, depth: int) -> float:
-        """Tokens per second in the steady state (the module's closed form); depth 1: serial rounds."""
-        t_fresh, e_fresh = round_seconds(fresh, self.costs), self.tokens(fresh)
+    def rate(self, fresh: TreeShape, depth: int) -> float:
+        """Tokens per second with `depth` steps in flight (the module's closed form); depth 1: serial rounds."""
+        t_fresh = round_seconds(fresh, self.costs)
         if depth <= 1:
-            return e_fresh / t_fresh
-        t_more, t_draft = continuation_seconds(more, hangs, self.costs)
-        delta = max(t_draft, t_more / depth)
-        # The walk is a ring behind the drafting: the frontier the `hangs` extend spans the subtrees of every
-        # step in flight, so the one the walk will take gets about a share of them.
-        shared = max(1, round(hangs / min(depth, math.ceil(t_more / delta))))
-        c_f, c_c = self.reach(fresh, hangs), self.reach(more, shared)
-        pi_f = (1 - c_c) / (1 - c_c + c_f)
-        pi_c = 1 - pi_f
-        e_more = self.tokens(more)
-        return (pi_f * (e_fresh - c_f) + pi_c * (e_more - c_c)) / (pi_f * t_fresh + pi_c * delta)
+            return self.tokens(fresh) / t_fresh
+        t_step = continuation_seconds(self.costs)
+        more = CONTINUATION.depth
+        # Continuations widen the likeliest nodes first (one more candidate per level of the fresh tree), then
+        # extend its leaves, `more` levels per step, `depth - 1` steps behind the fresh one in the first ring.
+        widths = [min(w + 1, MAX_WIDTH) for w in fresh.widths] + [CONTINUATION.widths[0]] * (more * (depth - 1))
+        tokens, reach, wait = 1.0, 1.0, 0.0
+        for d, w in enumerate(widths[:MAX_DEPTH]):
+            if d >= fresh.depth and (d - fresh.depth) % more == 0:
+                wait += reach * t_step  # the walk needs the next continuation: it arrives a step after the last
+            reach *= self.hits[d][w - 1]
+            tokens += reach
+        return tokens / (t_fresh + wait)
 
 
 @dataclass(frozen=True)
@@ -249,25 +250,11 @@ class Plan:
                 "hangs": self.hangs, "rate": round(self.rate, 3), "serial_rate": round(self.serial_rate, 3)}
 
 
-def continuation_seconds(more: TreeShape, hangs: int, costs: RoundCosts) -> tuple[float, float]:
-    """A continuation step's time around the ring, and the least time between two of them (its draft: the
-    paths to its places and then `more.depth` levels, each one step for all places; and its tokens' share
-    of the links)."""
-    tokens = hangs * more.nodes
-    t_draft = (more.depth + 1) * costs.draft_level_s + costs.per_token_s * tokens
-    return costs.fixed_s + costs.per_token_s * tokens, t_draft
-
-
-def continuation_shapes(max_nodes: int) -> Iterator[TreeShape]:
-    """Small trees a continuation hangs under a leaf: chains, or w candidates first then a chain."""
-    for k in range(1, 13):
-        for w, j in itertools.chain([(1, k)], ((w, j) for w in range(2, MAX_WIDTH + 1) for j in (1, 2) if j <= k)):
-            shape = TreeShape((w,) * j + (1,) * (k - j), max_nodes)
-            if shape.full_nodes <= max_nodes:
-                yield shape
-
-
-CONTINUATIONS = {hangs: tuple(continuation_shapes(MAX_TREE_NODES // hangs)) for hangs in HANGS}
+def continuation_seconds(costs: RoundCosts) -> float:
+    """The entry's time for a continuation step, and so the least time between two: the draft's passes (the
+    paths to its places, then each level for all) and its tokens' share of the links."""
+    return (CONTINUATION.depth + 1) * costs.draft_level_s + \
+        costs.per_token_s * CONTINUATION_PLACES * CONTINUATION.full_nodes
 
 
 @dataclass
@@ -277,6 +264,7 @@ class Tuner:
 
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     costs: RoundCosts = field(default_factory=RoundCosts)
+    calibration: Calibration = field(default_factory=Calibration)
     depth: int | None = None
     width: int | None = None
     in_flight: int | None = None
@@ -286,10 +274,15 @@ class Tuner:
     pipelined_runs: int = 0
     serial_plans: int = 0
 
-    def observe_pipelined(self, predicted: float, measured: float, alpha: float = 0.3) -> None:
-        """A pipelined plan's rate as it ran."""
+    def measured(self) -> bool:
+        """Enough candidates judged to plan from (until then: serial rounds, re-planned every round)."""
+        return sum(self.stats.tried.values()) >= MEASURED_TRIALS
+
+    def observe_pipelined(self, predicted: float, measured: float, alpha: float = 0.15) -> None:
+        """A pipelined plan's rate as it ran (over a second or so: a hard stretch of text is slow whatever the
+        plan, so one window moves the scale only a little)."""
         if predicted > 0:
-            ratio = min(2.0, max(0.05, measured / predicted))
+            ratio = min(1.5, max(0.5, measured / predicted))
             self.pipelined_scale += alpha * (ratio - self.pipelined_scale)
             self.pipelined_runs += 1
 
@@ -312,27 +305,22 @@ class Tuner:
         continuation's tokens cross every hop)."""
         fresh = self.choose()
         rates = Rates(self.stats, self.costs)
-        serial = rates.rate(fresh, fresh, 1, 1)
+        serial = rates.rate(fresh, 1)
         best = Plan(1, fresh, fresh, 1, serial, serial)
         pinned = self.in_flight
-        if pinned is not None and (self.depth is not None or self.width is not None):
-            d = min(pinned, max_in_flight)
-            model = rates.rate(fresh, fresh, 2, d)
-            return Plan(d, fresh, fresh, 2, model * self.pipelined_scale, serial, model)
-        if max_in_flight <= 1 or pinned == 1 or self.depth is not None or self.width is not None:
-            return best  # a pinned shape alone is a serial comparison
-        if not pinned and (sum(self.stats.tried.values()) < MEASURED_TRIALS or self.costs.fixed_s < MIN_RING_S):
-            return best  # serial rounds until the ring and the acceptance are measured, and on short rings
-        if pinned:
-            best = Plan(pinned, fresh, fresh, 1, 0.0, serial)
-        for hangs in HANGS:
-            for more in CONTINUATIONS[hangs]:
-                t_more, t_draft = continuation_seconds(more, hangs, self.costs)
-                depth = min(pinned or max(2, math.ceil(t_more / max(t_draft, 1e-6))), max_in_flight)
-                for first in fresh, more:  # a shallower fresh tree is reached, and continued, more often
-                    model = rates.rate(first, more, hangs, depth)
-                    if model * self.pipelined_scale > best.rate:
-                        best = Plan(depth, first, more, hangs, model * self.pipelined_scale, serial, model)
+        if max_in_flight <= 1 or pinned == 1:
+            return best
+        shape_pinned = self.depth is not None or self.width is not None
+        if not pinned and (shape_pinned or not self.measured() or self.costs.fixed_s < MIN_RING_S):
+            return best  # a pinned shape alone is a serial comparison; serial rounds until the ring and the
+            # acceptance are measured, and on short rings
+        for depth in [min(pinned, max_in_flight)] if pinned else range(2, min(max_in_flight, MAX_TUNED_IN_FLIGHT) + 1):
+            model = rates.rate(fresh, depth)
+            if pinned or model * self.pipelined_scale > best.rate:
+                best = Plan(depth, fresh, CONTINUATION, CONTINUATION_PLACES, model * self.pipelined_scale, serial,
+                            model)
+        if shape_pinned:
+            return best
         # On where it wins as measured; tried where the closed form says it at least breaks even and nothing
         # is measured yet, and again now and then (acceptance changes with the text, and the scale learns only
         # while pipelining runs).
