@@ -314,10 +314,13 @@ class Tuner:
         if not pinned and (shape_pinned or not self.measured() or self.costs.fixed_s < MIN_RING_S):
             return best  # a pinned shape alone is a serial comparison; serial rounds until the ring and the
             # acceptance are measured, and on short rings
+        # The fresh tree too is chosen for pipelining: continuations widen it, so a narrower one often does
+        shapes = [fresh] if shape_pinned else list(candidate_shapes())
         for depth in [min(pinned, max_in_flight)] if pinned else range(2, min(max_in_flight, MAX_TUNED_IN_FLIGHT) + 1):
-            model = rates.rate(fresh, depth)
+            first = max(shapes, key=lambda shape: rates.rate(shape, depth))
+            model = rates.rate(first, depth)
             if pinned or model * self.pipelined_scale > best.rate:
-                best = Plan(depth, fresh, CONTINUATION, CONTINUATION_PLACES, model * self.pipelined_scale, serial,
+                best = Plan(depth, first, CONTINUATION, CONTINUATION_PLACES, model * self.pipelined_scale, serial,
                             model)
         if shape_pinned:
             return best
