@@ -194,8 +194,8 @@ class _Speculation:
     def idle(self) -> bool:
         """Time for one more continuation before the oldest step in flight is due back (a ring after it was sent):
         drafting it then delays nothing the walk waits for, and covers deeper (up to `max_in_flight` steps)."""
-        if not self.flight or len(self.flight) >= self.max_in_flight:
-            return False
+        if not self.flight or len(self.flight) >= self.max_in_flight or self.tuner.in_flight is not None:
+            return False  # (a pinned number in flight is kept exactly)
         due = self.flight[0].sent + self.tuner.costs.fixed_s
         return time.perf_counter() + 2 * self.step_s < due
 
