@@ -284,14 +284,21 @@ class Membership:
             log.info("member %s is gone: the coordinator no longer lists it", info.peer)
             self._emit("leave", info)
         for callback in list(self.on_view):
-            callback(peer, view)
+            try:  # a failing listener must not stop the beats
+                callback(peer, view)
+            except Exception:  # noqa: BLE001
+                log.exception("view listener failed")
+
+    def _coordinator(self) -> str | None:
+        """Whom to beat to and stay linked with: the coordinator the election follows, else the one a member's
+        answer named, once it is a known member."""
+        return self._leader() or (self._hint if self._hint in self._members else None)
 
     def _keep_linked(self, now: float) -> None:
         """Dial the coordinator, the wanted members and NEIGHBOURS others, a few at a time."""
         connected = set(self.node.connected_peers())
         view = self.view()
-        leader = self._leader() or self._hint
-        wanted = [p for p in (leader, *self.wanted()) if p in view]
+        wanted = [p for p in (self._coordinator(), *self.wanted()) if p in view]
         others = [p for p in view if p not in connected and p not in wanted]
         spare = NEIGHBOURS - len(connected - {*wanted})
         for peer in wanted + random.sample(others, max(0, min(spare, len(others)))):
@@ -352,7 +359,7 @@ class Membership:
         last_sent = -float("inf")
         while True:
             now = self.clock()
-            leader = self._leader() or (self._hint if self._hint in self._members else None)
+            leader = self._coordinator()
             to_leader = leader is not None and leader != self.node.peer_id and self.node.is_connected(leader)
             period = self.interval if to_leader else self.period()  # (due at once when the coordinator is reached)
             due = now - last_sent >= period or self._refresh

@@ -2,9 +2,10 @@
 
 Serial (one step in flight) is the classic round: a tree after the last committed token goes around
 the ring, the walk commits its accepted path and the target's own next token, and the next round
-starts. Pipelined, up to D steps are in flight: while one crosses the ring, the next hangs small trees
-under the likeliest places below those still unverified (leaves, or one more candidate at a node not
-judged yet), so when the walk gets there its continuation is already on its way. Every step's tree
+starts. Pipelined, D live steps are in flight (more while the entry would otherwise idle): while one
+crosses the ring, the next hangs small trees under the likeliest places below those still unverified
+(leaves, or one more candidate at a node not judged yet; likeliest as the target has judged such
+candidates, `tuner.Calibration`), so when the walk gets there its continuation is already on its way. Every step's tree
 nodes are nodes of one growing tree whose spine is the committed sequence; the walk judges node after
 node as results arrive (`verify.judge`). A step whose nodes all left the walk's subtree is ignored when
 it returns, and its KV dropped by the next step's `keep`; after a miss, the next step cancels the
