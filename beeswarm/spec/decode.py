@@ -187,18 +187,25 @@ class _Speculation:
             if time.perf_counter() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
                 self.replan()
             self.send([(self.at, None)], self.plan.fresh)
-        while self.live_steps() < self.plan.depth or (self.plan.depth > 1 and self.idle()):
+        while self.live_steps() < self.plan.depth and self.until_due() > self.step_s or self.idle():
             hangs = self.frontier(self.plan.hangs)
             if not hangs or not self.send(hangs, self.plan.more):
                 return
 
+    def until_due(self) -> float:
+        """Seconds until the oldest step in flight is due back (a pass after it was sent). A step whose result is
+        due is taken before another is drafted: it may be a miss, and then the fresh round cannot wait."""
+        if not self.flight:
+            return float("inf")
+        step, costs = self.flight[0], self.tuner.costs
+        return step.sent + costs.fixed_s + costs.per_token_s * len(step.rows) - time.perf_counter()
+
     def idle(self) -> bool:
-        """Time for one more continuation before the oldest step in flight is due back (a ring after it was sent):
-        drafting it then delays nothing the walk waits for, and covers deeper (up to `max_in_flight` steps)."""
-        if not self.flight or len(self.flight) >= self.max_in_flight or self.tuner.in_flight is not None:
-            return False  # (a pinned number in flight is kept exactly)
-        due = self.flight[0].sent + self.tuner.costs.fixed_s
-        return time.perf_counter() + 2 * self.step_s < due
+        """Time for one more continuation before the oldest step in flight is due back: drafting it then delays
+        nothing the walk waits for, and covers deeper (up to `max_in_flight` steps; a pinned number in flight is
+        kept exactly)."""
+        return (self.plan.depth > 1 and bool(self.flight) and len(self.flight) < self.max_in_flight
+                and self.tuner.in_flight is None and self.until_due() > 2 * self.step_s)
 
     def live_steps(self) -> int:
         """Steps in flight whose results the walk may still use: the plan's depth counts only those, so a step
