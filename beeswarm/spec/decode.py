@@ -5,8 +5,8 @@ the ring, the walk commits its accepted path and the target's own next token, an
 starts. Pipelined, D live steps are in flight (more while the entry would otherwise idle): while one
 crosses the ring, the next hangs small trees under the likeliest places below those still unverified
 (leaves, or one more candidate at a node not judged yet; likeliest as the target has judged such
-candidates, `tuner.Calibration`), so when the walk gets there its continuation is already on its way. Every step's tree
-nodes are nodes of one growing tree whose spine is the committed sequence; the walk judges node after
+candidates, `tuner.Calibration`), so when the walk gets there its continuation is already on its way.
+Every step's tree nodes are nodes of one growing tree whose spine is the committed sequence; the walk judges node after
 node as results arrive (`verify.judge`). A step whose nodes all left the walk's subtree is ignored when
 it returns, and its KV dropped by the next step's `keep`; after a miss, the next step cancels the
 steps still in flight. A node's candidates are drawn, and fixed, before the target's result for it is

@@ -75,8 +75,9 @@ class TreeShape:
 
 # A continuation step: two candidates and a chain below each, under each of the 8 likeliest places (leaves,
 # or nodes given one more candidate). On spec_bench's 280 ms ring it beat deeper or narrower continuations
-# ((3,3,1,1) under 2 places: 12.1 tok/s; (2,1) under 8: 13.7); and 4 steps in flight did as well as 6 or 8
-# (13.4 with 8), for half the stages' compute and wire bytes: the tuner keeps at most 4 in flight.
+# ((3,3,1,1) under 2 places: 12.1 tok/s; (2,1) under 8: 13.7); and 4 live steps did as well as 6 or 8
+# (13.8, 13.4), for half the stages' compute and wire bytes: the tuner keeps at most 4 live (the entry
+# drafts more only while nothing is due back).
 CONTINUATION = TreeShape((2, 1))
 CONTINUATION_PLACES = 8
 MAX_TUNED_IN_FLIGHT = 4
@@ -202,7 +203,7 @@ def candidate_shapes(depth: int | None = None, width: int | None = None,
 
 
 class Rates:
-    """Expected tokens and rates of shapes under one snapshot of the statistics (cached: a plan weighs dozens)."""
+    """Expected tokens and rates of shapes under one snapshot of the statistics (cached: a plan weighs hundreds)."""
 
     def __init__(self, stats: AcceptanceStats, costs: RoundCosts):
         self.stats, self.costs, self.hits = stats, costs, stats.hits()
@@ -299,10 +300,10 @@ class Tuner:
 
     def plan(self, max_in_flight: int = MAX_IN_FLIGHT, margin: float = 1.05) -> Plan:
         """Serial rounds of the best tree, or pipelined steps when the closed form says they win by `margin`:
-        the most steps in flight that still shorten the time between them, and the continuation (trees and
-        how many leaves they hang under) with the best rate. Pipelining loses on short rings (Delta is not
-        much below a round), at low acceptance (continuations are rarely reached) and on slow links (every
-        continuation's tokens cross every hop)."""
+        the live steps in flight (2 to `MAX_TUNED_IN_FLIGHT`) and the fresh tree with the best rate.
+        Pipelining loses on short rings (a step's draft is not much below a round), at low acceptance
+        (misses come as often as serial rounds) and on slow links (every continuation's tokens cross every
+        hop)."""
         fresh = self.choose()
         rates = Rates(self.stats, self.costs)
         serial = rates.rate(fresh, 1)
@@ -314,7 +315,7 @@ class Tuner:
         if not pinned and (shape_pinned or not self.measured() or self.costs.fixed_s < MIN_RING_S):
             return best  # a pinned shape alone is a serial comparison; serial rounds until the ring and the
             # acceptance are measured, and on short rings
-        # The fresh tree too is chosen for pipelining: continuations widen it, so a narrower one often does
+        # The fresh tree too is chosen for pipelining: continuations widen it, so a narrower one may do better
         shapes = [fresh] if shape_pinned else list(candidate_shapes())
         for depth in [min(pinned, max_in_flight)] if pinned else range(2, min(max_in_flight, MAX_TUNED_IN_FLIGHT) + 1):
             first = max(shapes, key=lambda shape: rates.rate(shape, depth))
