@@ -187,14 +187,13 @@ class _Speculation:
             if time.perf_counter() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
                 self.replan()
             self.send([(self.at, None)], self.plan.fresh)
-        while self.live_steps() < self.plan.depth and self.until_due() > self.step_s or self.idle():
+        while self.live_steps() < self.plan.depth or self.idle():
             hangs = self.frontier(self.plan.hangs)
             if not hangs or not self.send(hangs, self.plan.more):
                 return
 
     def until_due(self) -> float:
-        """Seconds until the oldest step in flight is due back (a pass after it was sent). A step whose result is
-        due is taken before another is drafted: it may be a miss, and then the fresh round cannot wait."""
+        """Seconds until the oldest step in flight is due back (a pass after it was sent)."""
         if not self.flight:
             return float("inf")
         step, costs = self.flight[0], self.tuner.costs
