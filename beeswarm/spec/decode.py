@@ -30,7 +30,7 @@ from beeswarm.decoding.generate import Generation
 from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, sample
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tree import ROOT, DraftTree
-from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, CostMeter, Plan, TreeShape, Tuner
+from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, MIN_RING_S, CostMeter, Plan, TreeShape, Tuner
 from beeswarm.spec.verify import judge
 
 MAX_CANDIDATES = 8  # at one node, widening included
@@ -187,7 +187,7 @@ class _Speculation:
             if time.perf_counter() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
                 self.replan()
             self.send([(self.at, None)], self.plan.fresh)
-        while self.live_steps() < self.plan.depth or self.idle():
+        while self.live_steps() < self.plan.depth and not self.result_due() or self.idle():
             hangs = self.frontier(self.plan.hangs)
             if not hangs or not self.send(hangs, self.plan.more):
                 return
@@ -198,6 +198,14 @@ class _Speculation:
             return float("inf")
         step, costs = self.flight[0], self.tuner.costs
         return step.sent + costs.fixed_s + costs.per_token_s * len(step.rows) - time.perf_counter()
+
+    def result_due(self) -> bool:
+        """The oldest step's result is due before another step could be drafted: take it first (it may be a miss,
+        and then the fresh round cannot wait; else the next places are chosen knowing it). Only on a ring long
+        enough to pipeline (`MIN_RING_S`): on a short one a result is due after every step, and waiting for
+        each would keep fewer steps in flight than the plan; a synchronous target has every result at once."""
+        return (not isinstance(self.target, Eager) and self.tuner.costs.fixed_s >= MIN_RING_S
+                and self.until_due() <= self.step_s)
 
     def idle(self) -> bool:
         """Time for one more continuation before the oldest step in flight is due back: drafting it then delays
