@@ -6,11 +6,12 @@ starts. Pipelined, D live steps are in flight (more while the entry would otherw
 crosses the ring, the next hangs small trees under the likeliest places below those still unverified
 (leaves, or one more candidate at a node not judged yet; likeliest as the target has judged such
 candidates, `tuner.Calibration`), so when the walk gets there its continuation is already on its way.
-Every step's tree nodes are nodes of one growing tree whose spine is the committed sequence; the walk judges node after
-node as results arrive (`verify.judge`). A step whose nodes all left the walk's subtree is ignored when
-it returns, and its KV dropped by the next step's `keep`; after a miss, the next step cancels the
-steps still in flight. A node's candidates are drawn, and fixed, before the target's result for it is
-seen, so the output stays exactly the target's (greedy: token for token plain greedy).
+Every step's tree nodes are nodes of one growing tree whose spine is the committed sequence; the walk
+judges node after node as results arrive (`verify.judge`). A step whose nodes all left the walk's
+subtree is ignored when it returns, and its KV dropped by the next step's `keep`; after a miss, the
+next step cancels the steps still in flight. A node's candidates are drawn, and fixed, before the
+target's result for it is seen, so the output stays exactly the target's (greedy: token for token
+plain greedy).
 
 The stages' KV holds the committed tokens compacted up to `base`, then the nodes sent and not yet
 judged. Each step carries a tree mask over that window: a node sees its own ancestors, so its
@@ -170,6 +171,10 @@ class _Speculation:
                 return False
         return True
 
+    def wanted(self, node: int) -> bool:
+        """A sent node whose result the walk may still use: the walk's own, or one still committable."""
+        return node == self.at or (node in self.slots and self.alive(node))
+
     def alive(self, node: int) -> bool:
         """Still committable: below the walk's node."""
         depth = self.tree.depths[self.at]
@@ -182,7 +187,7 @@ class _Speculation:
     # steps -------------------------------------------------------------------------------------
     def fill(self) -> None:
         """A fresh round when the walk's node is not sent yet (at the start, after a miss), then continuations
-        until `plan.depth` steps are in flight."""
+        until `plan.depth` live steps are in flight, and more while the entry would idle."""
         if self.fresh:
             if time.perf_counter() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
                 self.replan()
@@ -219,7 +224,7 @@ class _Speculation:
         hung under a branch the walk left is replaced at once rather than when it returns."""
         live = 0
         for step in self.flight:
-            step.dead = step.dead or not any(n == self.at or (n in self.slots and self.alive(n)) for n in step.rows)
+            step.dead = step.dead or not any(map(self.wanted, step.rows))
             live += not step.dead
         return live
 
@@ -261,10 +266,15 @@ class _Speculation:
         self.tree.candidates[node].append(token)
         if self.tree.child(node, token) is not None:
             return None  # a repeat draw: tried again at verification, nothing new to compute
-        child = self.tree.add(node, token)
-        self.drafted[child] = float(self.tree.dists[node][token]), len(self.tree.children(node)) - 1
-        self.level[child] = self.level[node] + 1
-        return child
+        return self.add_drafted(node, token, float(self.tree.dists[node][token]))
+
+    def add_drafted(self, parent: int, token: int, q: float) -> int:
+        """A drafted node: its draft probability `q` and rank among its parent's children (what `Calibration`
+        judges it by), and its depth below the last fresh root."""
+        node = self.tree.add(parent, token)
+        self.drafted[node] = q, len(self.tree.children(parent)) - 1
+        self.level[node] = self.level[parent] + 1
+        return node
 
     def send(self, hangs: list[tuple[int, int | None]], shape: TreeShape) -> bool:
         """One step: trees drafted under `hangs` (a new candidate first where one is named), and the walk's node
@@ -326,9 +336,7 @@ class _Speculation:
         for i, (token, parent) in enumerate(zip(forest.tokens, forest.parents, strict=True)):
             found = self.tree.child(ids[parent], token)
             if found is None:
-                found = self.tree.add(ids[parent], token)
-                self.drafted[found] = float(forest.dists[parent][token]), len(self.tree.children(ids[parent])) - 1
-                self.level[found] = self.level[ids[parent]] + 1
+                found = self.add_drafted(ids[parent], token, float(forest.dists[parent][token]))
                 new.append(found)
             ids[i] = found
         for node, cands in forest.candidates.items():
@@ -370,7 +378,7 @@ class _Speculation:
         """Wait for the oldest step in flight and keep the results the walk may still need."""
         step = self.flight.popleft()
         logits, arrived = self.target.collect(step.handle)
-        wanted = [i for i, node in enumerate(step.rows) if node == self.at or (node in self.slots and self.alive(node))]
+        wanted = [i for i, node in enumerate(step.rows) if self.wanted(node)]
         if not wanted:
             self.report.cancelled += 1
             self.report.rows_cancelled += len(step.rows)

@@ -318,8 +318,7 @@ class Tuner:
         # The fresh tree too is chosen for pipelining: continuations widen it, so a narrower one may do better
         shapes = [fresh] if shape_pinned else list(candidate_shapes())
         for depth in [min(pinned, max_in_flight)] if pinned else range(2, min(max_in_flight, MAX_TUNED_IN_FLIGHT) + 1):
-            first = max(shapes, key=lambda shape: rates.rate(shape, depth))
-            model = rates.rate(first, depth)
+            model, first = max(((rates.rate(shape, depth), shape) for shape in shapes), key=lambda r: r[0])
             if pinned or model * self.pipelined_scale > best.rate:
                 best = Plan(depth, first, CONTINUATION, CONTINUATION_PLACES, model * self.pipelined_scale, serial,
                             model)
