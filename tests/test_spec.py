@@ -85,8 +85,9 @@ def test_tree_pass_and_kv_compaction_equal_each_path_run_alone(tinycode):
 
 @pytest.mark.parametrize("tuner", [Tuner(width=1), Tuner(depth=3, width=2), Tuner(depth=2, width=4),
                                    Tuner(costs=RoundCosts(0.001, 0.3, 0.0)), Tuner(depth=2, width=2, in_flight=4),
-                                   Tuner(in_flight=3)],
-                         ids=["chain", "tree-3x2", "tree-2x4", "tuned-slow-ring", "pipelined-2x2", "pipelined-tuned"])
+                                   Tuner(depth=5, width=2, in_flight=3), Tuner(in_flight=3)],
+                         ids=["chain", "tree-3x2", "tree-2x4", "tuned-slow-ring", "pipelined-2x2", "pipelined-5x2",
+                              "pipelined-tuned"])
 def test_greedy_speculation_equals_plain_greedy(tinycode, tuner):
     """Serial rounds, and steps pipelined (several in flight, continuations under the likeliest leaves, the
     ones built on a miss dropped with their KV): greedy output is plain greedy's, token for token."""
@@ -298,6 +299,56 @@ def test_pipelined_steps_rank_places_by_what_the_target_took_and_replace_dead_st
     assert judged >= 20 and share > 0.3
     assert taken(2, 0.3)[1] < 0.1  # third candidates: rarely
     assert max(report.in_flight) == 4 and target.most > 4
+
+
+def test_a_pipelined_fresh_tree_sends_its_first_levels_ahead_and_the_places_are_the_likeliest(tinycode):
+    """After a miss the walk most often misses again in the fresh tree's first levels: those go out as a step of
+    their own as soon as they are drafted (small, so back sooner), the deeper levels under all its leaves next.
+    The continuations' places, found best first, are the likeliest of all the places under the walk's node."""
+    session = tinycode.open(400)
+
+    def forward(t, s, m, k):
+        return tinycode.forward(session, t, s, m, k)
+    first = int(forward(torch.tensor(PROMPT), 0, None, None)[-1].argmax())
+    the_draft = draft(tinycode)
+    the_draft.reset(400)
+    tuner = Tuner(depth=5, width=2, in_flight=3)
+    spec = decode._Speculation(decode.Eager(forward), the_draft, GREEDY, tuner, None, PROMPT + [first], len(PROMPT),
+                               400, 3, SpecReport(), lambda token: True)
+    spec.fill()
+    (ahead, rest, _continuation), tree = spec.flight, spec.tree  # three in flight, as pinned
+    tinycode.close(session)
+
+    def below(node: int) -> int:
+        return tree.depths[node] - tree.depths[spec.at]
+    assert ahead.rows[0] == spec.at and max(map(below, ahead.rows)) == decode.FRESH_AHEAD
+    assert len(ahead.rows) <= 1 + 2 + 4
+    leaves = [n for n in ahead.rows if below(n) == decode.FRESH_AHEAD]
+    assert len(leaves) == 4
+    assert {below(n) for n in rest.rows} == {3, 4, 5}
+    assert {tree.parents[n] for n in rest.rows if below(n) == 3} == set(leaves)
+
+    chance = tuner.calibration.chance  # every place, searched exhaustively
+    places, stack = [], [(spec.at, 1.0)]
+    while stack:
+        node, p = stack.pop()
+        children = tree.children(node)
+        if node not in tree.dists:
+            places.append(p)
+        elif len(tree.candidates[node]) < decode.MAX_CANDIDATES and tree.untried(node) is not None:
+            places.append(p * chance(tree.untried(node)[1], len(children)))
+        stack += [(c, p * chance(*spec.drafted[c])) for c in children if c in spec.slots]
+
+    def reach(node: int) -> float:
+        p = 1.0
+        while node != spec.at:
+            p, node = p * chance(*spec.drafted[node]), tree.parents[node]
+        return p
+    found = spec.frontier(6)
+    values = [reach(n) * (1.0 if t is None else chance(float(tree.dists[n][t]), len(tree.children(n))))
+              for n, t in found]
+    assert len(places) > 20 and len(found) == 6
+    assert values == pytest.approx(sorted(places, reverse=True)[:6])
 
 
 @pytest.mark.parametrize("a,best", [(0.6, 6), (0.7, 8), (0.8, 12), (0.9, 21)])

@@ -91,12 +91,12 @@ class DraftModel:
         self.read = list(committed)
         if len(tree):
             out = self.span.step_one(self.session, self.entry.embed(torch.tensor(tree.tokens)), base, tree.ancestors())
-            rows = self.entry.logits(out)
-            logits.update((end, rows[end]) for end in ends if end != ROOT)
+            read = [end for end in dict.fromkeys(ends) if end != ROOT]  # only the paths' ends are grown under
+            logits.update(zip(read, self.entry.logits(out[read])))
 
         def level_logits(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
             first = nodes[0]  # levels are contiguous: the step holds nodes first.., the window the whole tree
-            mask = tree.ancestors()[first:first + len(nodes), :first + len(nodes)]
+            mask = tree.ancestors(first, first + len(nodes))
             tokens = torch.tensor([tree.tokens[n] for n in nodes])
             out = self.span.step_one(self.session, self.entry.embed(tokens), base + first, mask)
             return self.entry.logits(out)

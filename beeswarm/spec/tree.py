@@ -18,6 +18,7 @@ from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, probabili
 from beeswarm.spec.tuner import TreeShape
 
 ROOT = -1
+MAX_CANDIDATES = 8  # at one node, widening included
 
 
 @dataclass
@@ -29,6 +30,8 @@ class DraftTree:
     # in the order verification tries them (i.i.d. draws with repeats when sampling, top-w when greedy)
     dists: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: dict[int, list[int]] = field(default_factory=dict)
+    # per expanded node: its MAX_CANDIDATES + 1 likeliest tokens under the draft and their probabilities
+    ranked: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     _children: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -56,6 +59,11 @@ class DraftTree:
             node = found if found is not None else self.add(node, token)
         return node
 
+    def untried(self, node: int) -> tuple[int, float] | None:
+        """The draft's likeliest token at an expanded `node` that is no child of it yet, and its probability."""
+        tokens, probs = self.ranked[node]
+        return next(((t, q) for t, q in zip(tokens, probs, strict=True) if self.child(node, t) is None), None)
+
     def path(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node`."""
         out = []
@@ -68,14 +76,20 @@ class DraftTree:
         """The tokens from the root's child down to `node` (none for the root)."""
         return [self.tokens[n] for n in self.path(node)]
 
-    def ancestors(self) -> torch.Tensor:
-        """(n, n) bool: [i, j] when j is i or one of its ancestors."""
-        n = len(self.tokens)
-        anc = torch.zeros(n, n, dtype=torch.bool)
-        for i, p in enumerate(self.parents):
-            if p != ROOT:
-                anc[i] = anc[p]
-            anc[i, i] = True
+    def ancestors(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """(end - first, end) bool for nodes first..end-1 (all by default): [i, j] when node j is node
+        first + i or one of its ancestors. Built from index lists: one tensor write, not one per node."""
+        end = len(self.tokens) if end is None else end
+        rows: list[int] = []
+        cols: list[int] = []
+        for i in range(first, end):
+            node = i
+            while node != ROOT:
+                rows.append(i - first)
+                cols.append(node)
+                node = self.parents[node]
+        anc = torch.zeros(end - first, end, dtype=torch.bool)
+        anc[rows, cols] = True
         return anc
 
 
@@ -93,22 +107,27 @@ def grow_tree(tree: DraftTree, roots: list[tuple[int, torch.Tensor]], level_logi
     frontier = [(node, logits, 1.0) for node, logits in roots]  # node, logits for its children, path probability
     added = 0
     for depth, width in enumerate(shape.widths, start=1):
+        # the nodes this level may expand (each adds a node at least), their distributions in one batch
+        frontier = [f for f in sorted(frontier, key=lambda f: -f[2])
+                    if depth == 1 or f[2] >= shape.min_path_prob][:max(0, shape.max_nodes - added)]
+        if not frontier:
+            break
+        rows = [logits if committed is None else
+                penalize(logits, committed.plus(tree.path_tokens(node)), params.repetition_penalty)
+                for node, logits, _ in frontier]
+        dists = draft_distribution(torch.stack(rows), params)
+        top = dists.topk(min(dists.shape[-1], max(width, MAX_CANDIDATES + 1)))
+        ranked = zip(top.indices.tolist(), top.values.tolist(), strict=True)
         level: list[tuple[int, float]] = []
-        for node, logits, path_prob in sorted(frontier, key=lambda f: -f[2]):
-            room = shape.max_nodes - added
-            if room <= 0:
+        for (node, _, path_prob), dist, (tokens, probs) in zip(frontier, dists, ranked, strict=True):
+            draws = min(width, shape.max_nodes - added)
+            if draws <= 0:
                 break
-            if depth > 1 and path_prob < shape.min_path_prob:
-                continue
-            if committed is not None:
-                logits = penalize(logits, committed.plus(tree.path_tokens(node)), params.repetition_penalty)
-            dist = draft_distribution(logits, params)
-            draws = min(width, room)
             if params.greedy:
-                candidates = dist.topk(draws).indices.tolist()
+                candidates = tokens[:draws]
             else:
                 candidates = torch.multinomial(dist, draws, replacement=True, generator=generator).tolist()
-            tree.dists[node], tree.candidates[node] = dist, candidates
+            tree.dists[node], tree.candidates[node], tree.ranked[node] = dist, candidates, (tokens, probs)
             for token in dict.fromkeys(candidates):
                 level.append((tree.add(node, token), path_prob * float(dist[token])))
                 added += 1

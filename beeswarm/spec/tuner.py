@@ -33,7 +33,8 @@ MAX_WIDTH = 4
 MAX_TREE_NODES = 64
 MAX_IN_FLIGHT = 8  # pipelined steps around the ring at once
 RETRY_PIPELINED = 30  # serial plans in a row before a pipelined one is tried again
-MEASURED_TRIALS = 32  # candidates judged before a pipelined plan is weighed
+MEASURED_TRIALS = 12  # candidates judged before a pipelined plan is weighed (about 4 rounds: at 32 the
+# first prompt of spec_bench ran 10 serial rounds, 3.3 s, on the 280 ms ring before its first pipelined step)
 # Rounds shorter than this stay serial: the entry's drafting and bookkeeping for each step in flight, and
 # the stages' share of two cores, ate the gain at every shorter ring in spec_bench's sweep.
 MIN_RING_S = 0.2
