@@ -196,7 +196,7 @@ class _Speculation:
             if time.perf_counter() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
                 self.replan()
             fresh = self.plan.fresh
-            if self.plan.depth > 1 and fresh.depth > FRESH_AHEAD + 1:
+            if self.plan.depth > 1 and fresh.depth > FRESH_AHEAD:
                 ahead = TreeShape(fresh.widths[:FRESH_AHEAD], fresh.max_nodes, fresh.min_path_prob)
                 if self.send([(self.at, None)], ahead):
                     sent = self.flight[-1].rows
