@@ -74,12 +74,14 @@ class TreeShape:
         return min(self.full_nodes, self.max_nodes)
 
 
-# A continuation step: two candidates and a chain below each, under each of the 8 likeliest places (leaves,
-# or nodes given one more candidate). On spec_bench's 280 ms ring it beat deeper or narrower continuations
-# ((3,3,1,1) under 2 places: 12.1 tok/s; (2,1) under 8: 13.7); and 4 live steps did as well as 6 or 8
-# (13.8, 13.4), for half the stages' compute and wire bytes: the tuner keeps at most 4 live (the entry
-# drafts more only while nothing is due back).
-CONTINUATION = TreeShape((2, 1))
+# A continuation step: two candidates and a chain of two below each, under each of the 8 likeliest places (leaves,
+# or nodes given one more candidate). On spec_bench's 280 ms ring it beat wider or narrower continuations ((3,3,1,1)
+# under 2 places: 12.1 tok/s; (2,2) or (2,1) under 16: no faster than (2,1) under 8), and (2,1,1) beat (2,1) in 9
+# of 10 interleaved runs (+2.7% and +4.8% in two sessions): a run of accepted tokens outruns the steps in flight less
+# often. 4 live steps did as well as 6 or 8 (13.8, 13.4), for half the stages' compute and wire bytes: the tuner
+# keeps at most 4 live (the entry drafts more only while nothing is due back, up to 8 in flight: 5, 6, 12 or 16
+# were slower).
+CONTINUATION = TreeShape((2, 1, 1))
 CONTINUATION_PLACES = 8
 MAX_TUNED_IN_FLIGHT = 4
 
