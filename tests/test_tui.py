@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from textual.widgets import Input
 from transformers import AutoTokenizer
 
 from beeswarm.audit.auditor import AuditCounts
@@ -110,6 +111,12 @@ async def test_demo_side_panel_lists_the_swarm(swarm_client):
 
 def test_chat_screen_snapshot(swarm_client, snap_compare):
     """The chat screen after /help, before any reply (so every figure on it is fixed; the audit counts of the
-    earlier tests' replies are random draws, so they start again from zero)."""
+    earlier tests' replies are random draws, so they start again from zero). The prompt's cursor holds still: a
+    blinking one is drawn or not depending on when the screenshot falls (one CI run caught it hidden)."""
     swarm_client.auditor.counts = AuditCounts()
-    assert snap_compare(ChatApp(session_of(swarm_client, 24)), press=[*"/help", "enter"], terminal_size=(100, 30))
+
+    def steady_cursor(pilot) -> None:
+        pilot.app.query_one(Input).cursor_blink = False
+
+    assert snap_compare(ChatApp(session_of(swarm_client, 24)), press=[*"/help", "enter"], terminal_size=(100, 30),
+                        run_before=steady_cursor)
