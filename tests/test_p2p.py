@@ -20,7 +20,7 @@ from beeswarm.p2p.probe import Prober
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, Message, RemoteError, encode
 from beeswarm.protocol.membership import Heartbeat
-from helpers import INTERVAL, wait_for
+from helpers import INTERVAL, lines_of, read_until, wait_for
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -233,6 +233,25 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_node_stays_open_to_newcomers_after_hundreds_of_peers_vanished(mesh):
+    """py-libp2p 0.8.1 held one of 250 inbound slots per connection ever accepted, until the process ended:
+    after ~250 peers had come and gone, every newcomer's handshake was reset (p2p/hardening.py, guard E)."""
+    (node,) = mesh(1, members=False)
+    addr = node.addrs[0]
+    script = str(Path(__file__).parent / "vanishing_peers.py")
+    for _ in range(9):  # 270 distinct peers, 30 at a time, each group killed with -9 once all are connected
+        proc = subprocess.Popen([sys.executable, script, addr, "30"], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        try:
+            read_until(lines_of(proc), "connected 30", 60)
+        finally:
+            proc.kill()
+            proc.wait()
+    wait_for(lambda: not node.connected_peers(), 30, "the vanished peers' connections to close")
+    (newcomer,) = mesh(1, members=False, bootstrap=[])
+    assert newcomer.connect(addr, timeout=10) == node.peer_id
 
 
 def test_a_node_behind_a_relay_is_reachable_through_it(mesh):

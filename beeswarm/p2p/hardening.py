@@ -1,4 +1,4 @@
-"""Guards around the py-libp2p paths where one peer's bytes could stop the whole host.
+"""Guards around the py-libp2p paths where one peer's bytes could stop or wedge the whole host.
 
 Written against py-libp2p 0.8.1 (`PY_LIBP2P`); `install()` (node.py calls it at import) applies each
 guard once. Why each is needed, with the 0.8.1 source it wraps (paths under site-packages/libp2p/):
@@ -38,6 +38,18 @@ service (Swarm, Pubsub, GossipSub, relay: `TrioManager.run_task`, trio_manager.p
 logged once, instead of cancelling its service; guard D keeps the outbound identify, a trio *system*
 task (host/basic_host.py:1203-1216), from crashing the whole trio run if it ever raises.
 
+4. inbound slots: every inbound connection takes a slot of `Swarm._inbound_limiter`, a trio
+   CapacityLimiter of max_connections - min_connections = 250 slots by default (network/swarm.py:348,
+   1981-1999), held while `_do_handle_inbound_connection` runs; after a successful upgrade that
+   handler waits for the *swarm* to stop (`await self.manager.wait_finished()`, network/swarm.py:2063),
+   not for its connection to close (trio's serve_listeners closes the socket when a handler returns,
+   so it must wait for something). A slot is thus never given back: after 250 peers have ever
+   connected, whether they left politely or vanished, every newcomer's socket is closed before the
+   handshake ("failed to negotiate the secure protocol", "Connection reset by peer") until the process
+   restarts. Anyone can shut a public bootstrap so, and ordinary churn does it in weeks.
+Guard E ends that wait when the handler's own connection closes (its muxer's `event_closed`): the slot
+is given back with the connection, and the parked task with it.
+
 Upstream: no py-libp2p issue for 1-3 turned up in a search of its tracker; the same failure class (one
 failed task cancels the whole Pubsub service) is libp2p/py-libp2p#1120 (push_msg raising StreamReset).
 Check each guard against the source again when upgrading py-libp2p (`install()` warns on another version).
@@ -56,9 +68,12 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
+import trio
 from libp2p.host.basic_host import BasicHost
+from libp2p.network.swarm import Swarm
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service.trio_manager import TrioManager
 from libp2p.tools.anyio_service.utils import get_task_name
@@ -183,6 +198,36 @@ async def _guarded_identify_task_entry(self: Any, peer_id: Any, reason: str) -> 
         _report("identify", e, str(peer_id))
 
 
+# Guard E: an inbound connection's handler ends with its connection, not with the swarm ---------------
+_do_handle_inbound_connection = Swarm._do_handle_inbound_connection
+_upgrade_inbound_raw_conn = Swarm.upgrade_inbound_raw_conn
+# The cancel scope of the inbound handler running in this task (set by E's first half, read by its second)
+_inbound_handler: ContextVar[trio.CancelScope | None] = ContextVar("inbound_handler", default=None)
+
+
+async def _inbound_until_closed(self: Any, read_write_closer: Any, maddr: Any, failure_event: Any) -> None:
+    with trio.CancelScope() as scope:
+        token = _inbound_handler.set(scope)
+        try:
+            await _do_handle_inbound_connection(self, read_write_closer, maddr, failure_event)
+        finally:
+            _inbound_handler.reset(token)
+
+
+async def _upgrade_then_end_with_connection(self: Any, raw_conn: Any, maddr: Any) -> Any:
+    muxed = await _upgrade_inbound_raw_conn(self, raw_conn, maddr)
+    scope, closed = _inbound_handler.get(), getattr(muxed, "event_closed", None)
+    if scope is not None and closed is not None and self.background_nursery is not None:
+        # the handler's next await is its wait for the swarm to stop: cut it short when this connection closes
+        self.background_nursery.start_soon(_cancel_when_set, closed, scope)
+    return muxed
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
 def install() -> None:
     """Apply the guards (once; later calls do nothing)."""
     global _installed
@@ -199,6 +244,8 @@ def install() -> None:
         (Pubsub, "push_msg", _guarded_push_msg),  # B
         (TrioManager, "run_task", _guarded_run_task),  # C
         (BasicHost, "_identify_task_entry", _guarded_identify_task_entry),  # D
+        (Swarm, "_do_handle_inbound_connection", _inbound_until_closed),  # E
+        (Swarm, "upgrade_inbound_raw_conn", _upgrade_then_end_with_connection),  # E
     ]
     for owner, name, guard in guards:
         setattr(owner, name, functools.wraps(getattr(owner, name))(guard))
