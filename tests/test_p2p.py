@@ -238,7 +238,7 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
 def test_a_node_stays_open_to_newcomers_after_hundreds_of_peers_vanished(mesh):
     """py-libp2p 0.8.1 held one of 250 inbound slots per connection ever accepted, until the process ended:
     after ~250 peers had come and gone, every newcomer's handshake was reset (p2p/hardening.py, guard E)."""
-    (node,) = mesh(1, members=False)
+    (node,) = mesh(1, members=False, setup=lambda n: setattr(n.config, "forget_every_s", 1.0))
     addr = node.addrs[0]
     script = str(Path(__file__).parent / "vanishing_peers.py")
     for _ in range(9):  # 270 distinct peers, 30 at a time, each group killed with -9 once all are connected
@@ -250,8 +250,12 @@ def test_a_node_stays_open_to_newcomers_after_hundreds_of_peers_vanished(mesh):
             proc.kill()
             proc.wait()
     wait_for(lambda: not node.connected_peers(), 30, "the vanished peers' connections to close")
+    # nothing of them is kept: their inbound slots are free and the peerstore forgot them
+    wait_for(lambda: node.stats().known_peers == 1, 10, "the vanished peers to leave the peerstore")
+    assert node.stats().inbound_slots == 0
     (newcomer,) = mesh(1, members=False, bootstrap=[])
     assert newcomer.connect(addr, timeout=10) == node.peer_id
+    assert node.stats().connected_peers == 1
 
 
 def test_a_node_behind_a_relay_is_reachable_through_it(mesh):
@@ -307,6 +311,21 @@ def test_bans_grow_with_each_ban_and_expire():
     assert not bans.is_banned("q")
 
 
+def test_strikes_from_endless_new_identities_keep_the_ban_list_bounded_and_bans_in_force():
+    from beeswarm.p2p.bans import MAX_RECORDS, BanList
+
+    now = [0.0]
+    bans = BanList(clock=lambda: now[0])
+    assert bans.strike("p", "forged commitment", severe=True)
+    for i in range(3 * MAX_RECORDS):  # a fresh key per malformed message costs an attacker nothing
+        now[0] += 0.0001
+        bans.strike(f"sybil{i}", "malformed")
+    assert len(bans) <= MAX_RECORDS
+    assert bans.is_banned("p")
+    last = f"sybil{3 * MAX_RECORDS - 1}"  # the recent records are kept: two more strikes ban it
+    assert not bans.strike(last, "malformed") and bans.strike(last, "malformed")
+
+
 def test_a_paused_node_does_not_drop_the_members_that_kept_beating(mesh):
     """SIGSTOP, then SIGCONT: the node's clock jumps; its members' silence timers start again instead of
     every member being dropped at once (and rejoining a beat later, re-planning the swarm twice)."""
@@ -327,3 +346,23 @@ def test_a_paused_node_does_not_drop_the_members_that_kept_beating(mesh):
     offset[0] += 30.0  # as if b had been stopped for 30 s while a kept beating
     time.sleep(4 * INTERVAL)
     assert a.peer_id in b.members.view() and not left
+
+
+def test_a_channel_arriving_while_the_node_stops_is_no_error(mesh, caplog):
+    """A probe channel that arrived as a chat process exited logged "Nursery is closed to new arrivals" with
+    a traceback at ERROR: stopping is quiet."""
+    a, b = mesh(2, members=False)
+    arrived = threading.Event()
+
+    def slow_handler(channel: Channel) -> None:  # still running when the node's own tasks have ended
+        arrived.set()
+        time.sleep(1.0)
+
+    a.serve_channel("/test/slow/1", slow_handler)
+    b.open_channel(a.peer_id, "/test/slow/1")
+    assert arrived.wait(10)
+    with caplog.at_level("DEBUG"):
+        a.stop()
+        time.sleep(1.5)  # the handler returns after the node's loop closed its nursery
+    errors = [r for r in caplog.records if r.levelno >= 40]
+    assert not errors, [r.getMessage() for r in errors]

@@ -112,7 +112,8 @@ class StageServer:
         self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are dropped
         self._out = ChannelPool(node)
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
-        self._codecs: dict[str, codec.LinkCodec] = {}
+        self._codecs: dict[str, codec.LinkCodec] = {}  # per peer a session links to (freed with its last session)
+        self._retired = Traffic(0, 0, 0, 0, 0, 0)  # the bytes counted by codecs freed since
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.runtimes: dict[Span, SpanRuntime] = {}
@@ -148,15 +149,22 @@ class StageServer:
         prefill again and blame a healthy stage."""
         with self._lock:
             self._draining = {span for span in self.runtimes if span not in spans}
-            self._free_drained()
+            self._free_unused()
 
-    def _free_drained(self) -> None:
-        """(Under the lock.) Free the draining spans no session uses any more."""
+    def _free_unused(self) -> None:
+        """(Under the lock.) Free what no session uses any more: the draining spans, and the codecs of links
+        to peers gone from every session (their byte counts are kept in the totals)."""
         used = {s.runtime.span for s in self.sessions.values()}
         for span in [s for s in self._draining if s not in used]:
             del self.runtimes[span]
             self._draining.discard(span)
             log.info("layers %s freed: the plan moved on and their last session ended", span)
+        linked = {peer for s in self.sessions.values() for peer in (s.entry, s.prev, s.next)}
+        for peer in [p for p in self._codecs if p not in linked]:
+            link = self._codecs.pop(peer)
+            self._retired = Traffic(0, 0, self._retired.raw_in + link.raw_in, self._retired.wire_in + link.wire_in,
+                                    self._retired.raw_out + link.raw_bytes,
+                                    self._retired.wire_out + link.wire_bytes)
 
     @property
     def spans(self) -> tuple[Span, ...]:
@@ -168,9 +176,10 @@ class StageServer:
     def traffic(self) -> Traffic:
         """Steps and tokens computed; bytes as the links' codecs counted them."""
         with self._lock:
-            links = list(self._codecs.values())
-        return Traffic(self.steps, self.tokens, sum(c.raw_in for c in links), sum(c.wire_in for c in links),
-                       sum(c.raw_bytes for c in links), sum(c.wire_bytes for c in links))
+            links, old = list(self._codecs.values()), self._retired
+        return Traffic(self.steps, self.tokens, old.raw_in + sum(c.raw_in for c in links),
+                       old.wire_in + sum(c.wire_in for c in links), old.raw_out + sum(c.raw_bytes for c in links),
+                       old.wire_out + sum(c.wire_bytes for c in links))
 
     @property
     def busy(self) -> bool:
@@ -191,7 +200,7 @@ class StageServer:
         if isinstance(msg, Close):
             with self._lock:
                 session = self.sessions.pop(key, None)
-                self._free_drained()
+                self._free_unused()
             if session is None:
                 return ErrorReply(error=f"unknown session {msg.session!r}")
             self._cancelled.pop(key, None)
@@ -229,7 +238,7 @@ class StageServer:
             stale = [s for s in self.sessions.values() if s.last_used < cutoff]
             for s in stale:
                 del self.sessions[s.key]
-            self._free_drained()
+            self._free_unused()
         for s in stale:
             self._cancelled.pop(s.key, None)
             log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 BASE_S = 5.0
 MAX_S = 3600.0
 STRIKES_PER_BAN = 3  # malformed messages tolerated before a ban
+MAX_RECORDS = 10_000  # past that, the records of peers not banned now go, the least recently struck first
 
 
 @dataclass
@@ -16,6 +17,7 @@ class _Record:
     bans: int = 0
     until: float = 0.0
     reason: str = ""
+    struck: float = 0.0  # when it was last struck
 
 
 class BanList:
@@ -27,7 +29,10 @@ class BanList:
     def strike(self, peer: str, reason: str, severe: bool = False) -> bool:
         """Count a misbehaviour; returns True when the peer is now banned."""
         with self._lock:
+            if peer not in self._records and len(self._records) >= MAX_RECORDS:
+                self._forget_oldest()
             rec = self._records.setdefault(peer, _Record())
+            rec.struck = self._clock()
             rec.strikes += STRIKES_PER_BAN if severe else 1
             if rec.strikes < STRIKES_PER_BAN:
                 return False
@@ -36,6 +41,18 @@ class BanList:
             rec.bans += 1
             rec.reason = reason
             return True
+
+    def _forget_oldest(self) -> None:
+        """Make room for a new record (hold the lock): a new identity costs nothing, so an attacker with many
+        would otherwise grow this without bound. Bans in force stay."""
+        now = self._clock()
+        idle = sorted((rec.struck, peer) for peer, rec in self._records.items() if rec.until <= now)
+        for _, peer in idle[:max(1, len(self._records) - MAX_RECORDS // 2)]:
+            del self._records[peer]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
 
     def is_banned(self, peer: str) -> bool:
         with self._lock:

@@ -116,6 +116,7 @@ class Membership:
         """Subscribe and start beating; call before or after `node.start()`."""
         self.node.on_peer_connected.append(self._on_connected)
         self.node.on_peer_disconnected.append(self._on_disconnected)
+        self.node.keep_known.append(self.view)  # members stay dialable while not connected
         self.node.subscribe(self.node.topic(ids.MEMBERS_TOPIC), _messages, self._on_message)
         self.node.serve(ids.MEMBERS, self._on_beat, _beats)
         self.node.add_task(self._beat)
@@ -171,7 +172,7 @@ class Membership:
     def _on_message(self, author: str, msg: Heartbeat | Leave) -> None:
         if isinstance(msg, Leave):
             with self._lock:
-                gone = self._members.pop(author, None)
+                gone = self._drop(author)
             if gone:
                 self._emit("leave", gone.info)
             return
@@ -275,7 +276,7 @@ class Membership:
                 gone = [m.info for p, m in self._members.items()
                         if p not in ages and p not in connected and now - m.last_seen > self.interval]
                 for info in gone:
-                    del self._members[info.peer]
+                    self._drop(info.peer)
                 complete = all(p in self._members or p == self.node.peer_id for p in ages)
             self._held = (peer, view.seq if complete else 0)  # a member whose info is missing: ask for all
         elif view.coordinator != self.node.peer_id:
@@ -337,9 +338,15 @@ class Membership:
                 elif lost is not None and now - lost > self.interval and peer not in connected:
                     gone.append((m.info, "its connection dropped"))
             for info, _ in gone:
-                del self._members[info.peer]
-                self._lost.pop(info.peer, None)
+                self._drop(info.peer)
         return gone
+
+    def _drop(self, peer: str) -> Member | None:
+        """Forget a member and everything kept about it (hold the lock)."""
+        self._changed_at.pop(peer, None)
+        self._lost.pop(peer, None)
+        self._dial_after.pop(peer, None)
+        return self._members.pop(peer, None)
 
     def _resumed(self, now: float, paused_s: float) -> None:
         log.warning("this process was paused for %.1f s: members get a fresh grace before they count as gone",

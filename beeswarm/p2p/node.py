@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ tuning.install()  # and three of its per-message costs that grow with the swarm,
 
 GOSSIPSUB = TProtocol("/meshsub/1.0.0")
 STOP_TIMEOUT_S = 2.0
+REMEMBER_S = 600  # how long addresses given to `remember_addrs` stay dialable (their peerstore TTL)
 RESTART_MIN_S, RESTART_MAX_S = 0.5, 30.0  # backoff before a failed long-lived task runs again
 NOT_DIALABLE = "0.0.0.0 and :: are where a node listens, not an address to dial (use the machine's IP address)"
 
@@ -68,7 +69,16 @@ class NodeConfig:
     max_tensor_bytes: int = TENSOR_LIMIT
     relays: list[str] = field(default_factory=list)  # reserve a slot on these and announce the relayed address
     relay_service: bool = False  # relay circuits for peers that cannot be dialled
+    forget_every_s: float = 60.0  # how often peers neither connected nor remembered leave the peerstore
 
+@dataclass(frozen=True)
+class NodeStats:
+    """What a node holds that grows with the peers it has met: each must stay flat under churn."""
+    connected_peers: int  # peers with an open connection
+    connections: int  # connections in py-libp2p's table (open or closing)
+    known_peers: int  # peers in the peerstore (keys, addresses, protocols)
+    inbound_slots: int  # inbound connections py-libp2p counts against its cap (max_connections - min_connections)
+    tasks: int  # trio tasks in the node's loop
 
 
 class _ConnectionWatcher(INotifee):
@@ -120,6 +130,8 @@ class Node:
         self._bootstrap_state: dict[str, str | None] = {}  # bootstrap address -> last dial error (None: reached)
         self.on_peer_connected: list[Callable[[str], None]] = []
         self.on_peer_disconnected: list[Callable[[str], None]] = []
+        # Peers the peerstore keeps while not connected (membership's members); every other gone peer is forgotten.
+        self.keep_known: list[Callable[[], Iterable[str]]] = []
         # Set when the node's loop ended on an error after it had started (nothing else stops a node but
         # `stop()`); `on_failure` callbacks then run once, in the node's thread: a process should exit non-zero.
         self.failure: BaseException | None = None
@@ -248,6 +260,7 @@ class Node:
                         self._spawn(self._keep_connected, (addr,), restart=True)
                     for task in self._tasks:
                         self._spawn(task, (), restart=True)
+                    self._spawn(self._forget_gone_peers, (), restart=True)
                     self._ready.set()
                     await self._stop.wait()
                     scope.deadline = trio.current_time() + STOP_TIMEOUT_S - 0.5
@@ -287,13 +300,15 @@ class Node:
             return
         start = functools.partial(self._nursery.start_soon, self._supervise, fn, args, restart,
                                   name=getattr(fn, "__qualname__", repr(fn)))
-        if threading.current_thread() is self._thread:
-            start()
-            return
         try:
-            trio.from_thread.run_sync(start, trio_token=self._token)
+            if threading.current_thread() is self._thread:
+                start()
+            else:
+                trio.from_thread.run_sync(start, trio_token=self._token)
         except trio.RunFinishedError:
             pass
+        except RuntimeError as e:  # "Nursery is closed to new arrivals": the node is stopping, nothing to run
+            log.debug("not starting %s: %s", getattr(fn, "__qualname__", fn), e)
 
     async def _supervise(self, fn: Callable[..., Any], args: tuple[Any, ...], restart: bool) -> None:
         """Run `fn(*args)` so that its failure never ends the node's nursery: each failure is logged once (the
@@ -431,7 +446,7 @@ class Node:
         return "; ".join(f"{addr}: {state[addr]}" for addr in sorted(bootstrap))
 
     def remember_addrs(self, peer: str, addrs: tuple[str, ...]) -> None:
-        """Record where `peer` can be dialled, so streams to it connect on demand (call in the loop)."""
+        """Record where `peer` can be dialled for REMEMBER_S, so streams to it connect on demand (call in the loop)."""
         store = self._host.get_peerstore()
         for addr in addrs:
             try:
@@ -439,7 +454,7 @@ class Node:
             except Exception:  # noqa: BLE001 - a peer's bad address is its problem
                 continue
             if info.peer_id.to_bytes() == _peer_bytes(peer) and not addresses.unspecified(addr):
-                store.add_addrs(info.peer_id, info.addrs, 600)
+                store.add_addrs(info.peer_id, info.addrs, REMEMBER_S)
 
     def connected_peers(self) -> list[str]:
         if self._host is None:
@@ -460,6 +475,37 @@ class Node:
         with an empty list, after the last connection closed: `get_connected_peers` still lists it.)"""
         return {peer for peer, conns in self._host.get_network().connections.items()
                 if any(not getattr(c, "is_closed", False) for c in conns)}
+
+    async def _forget_gone_peers(self) -> None:
+        """Every `forget_every_s`, drop from the peerstore each peer that is not connected, not a bootstrap and
+        not kept (`keep_known`: the members). py-libp2p 0.8.1 never starts its own clean-up and identify keeps
+        a peer's addresses for 2 h: every peer ever met stayed, its key, protocols and signed record too."""
+        store = self._host.get_peerstore()
+        bootstrap = {a.rsplit("/p2p/", 1)[1] for a in self.config.bootstrap if "/p2p/" in a}
+        while True:
+            await trio.sleep(self.config.forget_every_s)
+            keep = {self.peer_id, *bootstrap}
+            for kept in list(self.keep_known):
+                keep.update(kept())
+            live = self._live_peers()
+            for peer in store.peer_ids():
+                if peer not in live and str(peer) not in keep:
+                    try:
+                        store.clear_peerdata(peer)
+                    except Exception:  # noqa: BLE001 - gone meanwhile
+                        pass
+
+    def stats(self) -> NodeStats:
+        """Counts of what the node holds per peer (any thread)."""
+        return self.call(self._stats)
+
+    async def _stats(self) -> NodeStats:
+        network = self._host.get_network()
+        limiter = getattr(network, "_inbound_limiter", None)
+        return NodeStats(connected_peers=len(self._live_peers()), connections=len(network.get_connections()),
+                         known_peers=len(self._host.get_peerstore().peer_ids()),
+                         inbound_slots=int(limiter.borrowed_tokens) if limiter is not None else 0,
+                         tasks=_count_tasks(trio.lowlevel.current_root_task()))
 
     async def disconnect_async(self, peer: str) -> None:
         try:
@@ -619,6 +665,10 @@ class Node:
 
 async def _no_auto_connect() -> None:
     pass
+
+
+def _count_tasks(task: Any) -> int:
+    return 1 + sum(_count_tasks(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
 
 
 # py-libp2p encodes base58 in pure Python on every str(ID): one encoding per peer, not per message

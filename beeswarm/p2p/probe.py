@@ -93,11 +93,21 @@ class Prober:
         report = on_progress or (lambda peer, done, total, error: None)
         stop = stop or threading.Event()
 
+        failed: dict[str, float] = {}  # peer -> when its last probe failed: tried again only after `every_s`
+
         def loop() -> None:
             while not stop.is_set():
-                for peer in list(members.view()):
+                view = members.view()
+                for peer in list(failed):
+                    if peer not in view:
+                        del failed[peer]
+                with self._lock:  # a member that left is forgotten once its figures are stale
+                    for peer in [p for p, x in self._cache.items() if p not in view and x.age_s > self.max_age_s]:
+                        del self._cache[peer]
+                for peer in view:
                     hit = self.cached(peer)
-                    if stop.is_set() or hit is not None and hit.age_s < every_s:
+                    if stop.is_set() or hit is not None and hit.age_s < every_s \
+                            or time.monotonic() - failed.get(peer, -every_s) < every_s:
                         continue
 
                     def part_done(done: int, p: str = peer) -> None:
@@ -106,11 +116,12 @@ class Prober:
                     try:
                         report(peer, 0, PROBE_PARTS, None)
                         self.probe(peer, bulk_bytes=bulk_bytes, refresh=True, on_part=part_done)
-                    except Exception as e:  # noqa: BLE001 - a peer that went away, or our node stopping
+                    except Exception as e:  # noqa: BLE001 - a peer that went away, serves no probes, or our node stopping
                         log.debug("probe of %s failed: %s", peer, e)
+                        failed[peer] = time.monotonic()
                         report(peer, 0, PROBE_PARTS, str(e) or type(e).__name__)
                 links = {p: (round(x.rtt_ms, 3), round(x.up_mbps, 1), round(x.down_mbps, 1))
-                         for p, x in self.all().items() if p in members.view()}
+                         for p, x in self.all().items() if p in view}
                 members.update(links=links)
                 stop.wait(min(every_s / 4, 5.0))
 
