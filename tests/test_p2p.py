@@ -366,3 +366,14 @@ def test_a_channel_arriving_while_the_node_stops_is_no_error(mesh, caplog):
         time.sleep(1.5)  # the handler returns after the node's loop closed its nursery
     errors = [r for r in caplog.records if r.levelno >= 40]
     assert not errors, [r.getMessage() for r in errors]
+
+
+def test_a_stopped_node_closes_its_connections(mesh):
+    """py-libp2p's shutdown left connections open: peers saw a stopped node as connected until its process
+    exited, and a process that starts and stops nodes (a benchmark's newcomers, a test) kept their sockets."""
+    (node,) = mesh(1, members=False)
+    for _ in range(3):
+        (visitor,) = mesh(1, members=False, bootstrap=[])
+        visitor.connect(node.addrs[0])
+        visitor.stop()
+    wait_for(lambda: not node.connected_peers(), 5, "the stopped visitors' connections to close")

@@ -152,7 +152,8 @@ class ChannelPool:
             channel = self._open.get((peer, protocol))
         if channel is None or channel.closed:
             channel = self.node.open_channel(peer, protocol)
-            with self._lock:
+            with self._lock:  # channels that closed meanwhile (peers gone) are forgotten
+                self._open = {key: open_ for key, open_ in self._open.items() if not open_.closed}
                 self._open[(peer, protocol)] = channel
         return channel
 

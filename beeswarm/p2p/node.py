@@ -264,7 +264,9 @@ class Node:
                     self._ready.set()
                     await self._stop.wait()
                     scope.deadline = trio.current_time() + STOP_TIMEOUT_S - 0.5
-                    nursery.cancel_scope.cancel()
+                    nursery.cancel_scope.cancel()  # our tasks end (no re-dial meanwhile), then the connections close
+                    with trio.CancelScope(shield=True):
+                        await self._close_connections(STOP_TIMEOUT_S / 2)
 
     # the node's loop, from any thread ---------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -476,6 +478,14 @@ class Node:
         return {peer for peer, conns in self._host.get_network().connections.items()
                 if any(not getattr(c, "is_closed", False) for c in conns)}
 
+    async def _close_connections(self, timeout: float) -> None:
+        """Close every connection, all at once (py-libp2p's own shutdown left them open: their peers saw this
+        node connected until it exited, and a process that stops nodes kept their sockets)."""
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as closing:
+                for conn in self._host.get_network().get_connections():
+                    closing.start_soon(_close_quietly, conn)
+
     async def _forget_gone_peers(self) -> None:
         """Every `forget_every_s`, drop from the peerstore each peer that is not connected, not a bootstrap and
         not kept (`keep_known`: the members). py-libp2p 0.8.1 never starts its own clean-up and identify keeps
@@ -665,6 +675,13 @@ class Node:
 
 async def _no_auto_connect() -> None:
     pass
+
+
+async def _close_quietly(conn: Any) -> None:
+    try:
+        await conn.close()
+    except Exception as e:  # noqa: BLE001 - already closing
+        log.debug("closing a connection: %s", e)
 
 
 def _count_tasks(task: Any) -> int:

@@ -41,6 +41,7 @@ import libp2p.tools.anyio_service.trio_tasks as trio_tasks_module
 
 RECORD_REFRESH_S = 600.0
 ADDRS_REFRESH_S = 5.0  # a new listen address is in this node's signed record within this long
+MAX_VERIFIED = 4096  # peers whose last verified record is kept per host
 
 _consume = pubsub_utils.maybe_consume_signed_record
 _task_ids = types.SimpleNamespace(uuid4=itertools.count().__next__)  # one counter however often installed
@@ -80,7 +81,11 @@ def _consume_once(msg: Any, host: Any, peer_id: Any) -> bool:
         return True
     ok: bool = _consume(msg, host, peer_id)
     if ok:
-        _verified[host][peer_id] = (record, now)
+        verified = _verified[host]
+        verified[peer_id] = (record, now)
+        if len(verified) > MAX_VERIFIED:  # peers come and go: keep those heard from lately, half of them at most
+            recent = sorted(verified.items(), key=lambda kv: kv[1][1])[-MAX_VERIFIED // 2:]
+            _verified[host] = {peer: seen for peer, seen in recent if now - seen[1] < RECORD_REFRESH_S}
     return ok
 
 
