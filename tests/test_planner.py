@@ -178,6 +178,25 @@ def test_plan_cli_json_table_and_errors(tmp_path):
     assert short.returncode == 2 and "short by" in short.stderr
 
 
+def test_a_swarm_that_cannot_hold_the_model_is_told_what_is_short():
+    """Three nodes with 2.7 layers' worth of memory each, for 8 layers: enough bytes in all (8.1 layers), but a
+    layer is never split, so they hold 6; then enough of them, but links never measured."""
+    raw = random_cluster(random.Random(3), 3, 8, "latency")
+    raw["model"]["kv_bytes_per_token_layer"] = 0
+    per_layer = raw["model"]["layer_bytes"]
+    for node in raw["nodes"]:
+        node.update(mem_bytes=int(2.7 * per_layer), host_mem_bytes=0, offload_gbps=None)
+    with pytest.raises(PlanError, match=r"hold 6 of its 8 layers in whole layers .*n\d: 2"):
+        plan(parse_cluster(raw))
+    for node in raw["nodes"]:
+        node.update(mem_bytes=4 * per_layer, rtt_ms={})
+    with pytest.raises(PlanError, match=r"reaches 3 of 3 nodes; 0 of 3 links between nodes are measured"):
+        plan(parse_cluster(raw))
+    raw["entry"]["rtt_ms"] = {}
+    with pytest.raises(PlanError, match="no link from the entry to any of the 3 nodes is measured"):
+        plan(parse_cluster(raw))
+
+
 def test_field_paths_in_errors():
     with pytest.raises(ClusterError, match=r"^workload.objective"):
         parse_cluster({**random_cluster(random.Random(0), 2, 2, "latency"), "workload": {"objective": "speed"}})

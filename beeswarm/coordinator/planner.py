@@ -277,6 +277,36 @@ def memory_shortfall(cluster: Cluster) -> int:
     return max(0, need - have)
 
 
+def max_layers(cluster: Cluster, node: NodeSpec) -> int:
+    """The most whole layers `node` can hold (0: not one)."""
+    k = 0
+    while k < cluster.model.num_layers and stage_ms(cluster, node, k + 1, 1) is not None:
+        k += 1
+    return k
+
+
+def why_no_pipeline(cluster: Cluster, usable: list[NodeSpec]) -> str:
+    """What is short when no pipeline exists: memory in bytes, whole layers, or the links measured."""
+    short = memory_shortfall(cluster)
+    if short:
+        return f"short by {short} bytes of memory"
+    layers = cluster.model.num_layers
+    holds = sorted(((max_layers(cluster, node), node.id) for node in usable), reverse=True)
+    total = sum(k for k, _ in holds)
+    if total < layers:
+        each = ", ".join(f"{node[:12]}: {k}" for k, node in holds[:5]) + (", ..." if len(holds) > 5 else "")
+        return (f"the nodes hold {total} of its {layers} layers in whole layers (a layer cannot be split across "
+                f"nodes; the most each holds: {each or 'none'})")
+    ids = [node.id for node in usable]
+    from_entry = sum(math.isfinite(cluster.rtt(cluster.entry.id, node)) for node in ids)
+    if not from_entry:
+        return f"no link from the entry to any of the {len(ids)} nodes is measured"
+    pairs = [(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
+    measured = sum(math.isfinite(cluster.rtt(a, b)) for a, b in pairs)
+    return (f"no order of nodes that together hold it has every link measured (the entry reaches {from_entry} of "
+            f"{len(ids)} nodes; {measured} of {len(pairs)} links between nodes are measured)")
+
+
 def plan(cluster: Cluster, exact_max_nodes: int | None = None, replicas: bool = True) -> Plan:
     """The best plan for the cluster; raises PlanError when no pipeline can hold the model."""
     t0 = time.perf_counter()
@@ -305,9 +335,7 @@ def plan(cluster: Cluster, exact_max_nodes: int | None = None, replicas: bool = 
         used = {s.node for s in pipeline.stages}
         pool = [n for n in pool if n.id not in used]
     if not pipelines:
-        short = memory_shortfall(cluster)
-        detail = f"short by {short} bytes of memory" if short else "no order of nodes is reachable and fits"
-        raise PlanError(f"the swarm cannot hold the model: {detail}")
+        raise PlanError(f"the swarm cannot hold the model: {why_no_pipeline(cluster, usable)}")
     used = {s.node for p in pipelines for s in p.stages}
     for node in usable:
         if node.id not in used:
