@@ -252,7 +252,7 @@ def cmd_contribute(args) -> int:
 
 def _dashboard(contributor) -> int:
     """The Textual dashboard; the log goes to its panel instead of stderr while it runs."""
-    from beeswarm.p2p.node import NodeFailed
+    from beeswarm.p2p.errors import NodeFailed
     from beeswarm.shard.errors import ShardError
     from beeswarm.tui.dashboard_app import DashboardApp
 
@@ -483,7 +483,7 @@ def cmd_status(args) -> int:
     import time
 
     from beeswarm.client.status import SwarmObserver, Unreachable
-    from beeswarm.p2p.node import NodeError
+    from beeswarm.p2p.errors import NodeError
 
     bootstrap, _ = _required_join(args.join, "the swarm to look at")
     if args.wait <= 0 or args.every <= 0:
@@ -739,8 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"beeswarm: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # NodeFailed, the p2p node stopped on an error: exit 1, so a supervisor sees it
-        node = sys.modules.get("beeswarm.p2p.node")  # not imported here: most commands never load py-libp2p
-        if node is None or not isinstance(e, node.NodeFailed):
+        errors = sys.modules.get("beeswarm.p2p.errors")  # not imported here: most commands never load py-libp2p
+        if errors is None or not isinstance(e, errors.NodeFailed):
             raise
         print(f"beeswarm: error: {e}", file=sys.stderr)
         return 1

@@ -27,7 +27,7 @@ from beeswarm.coordinator.service import CoordinatorService
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.p2p.bans import STRIKES_PER_BAN, BanList
-from beeswarm.p2p.node import NodeFailed
+from beeswarm.p2p.errors import NodeFailed
 from beeswarm.p2p.probe import Prober
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, Message, ids

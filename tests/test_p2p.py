@@ -15,7 +15,8 @@ import msgspec
 import pytest
 
 from beeswarm.p2p import wire
-from beeswarm.p2p.node import Channel, PeerUnavailable
+from beeswarm.p2p.channel import Channel
+from beeswarm.p2p.errors import PeerUnavailable
 from beeswarm.p2p.probe import Prober
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, Message, RemoteError, encode

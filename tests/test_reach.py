@@ -12,8 +12,9 @@ import multiaddr
 import pytest
 
 from beeswarm.p2p import addresses, identity
+from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.membership import Membership
-from beeswarm.p2p.node import Node, NodeConfig, NodeError
+from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.protocol.membership import NodeInfo
 from helpers import INTERVAL, LOCAL, wait_for
 

@@ -21,7 +21,7 @@ import torch
 
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.evidence import Finding, RevealRefused, examine, sign_evidence
-from beeswarm.p2p.channel import NodeError
+from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import RemoteError, Span, ids

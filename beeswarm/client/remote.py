@@ -19,7 +19,8 @@ import torch
 from beeswarm import codec
 from beeswarm.audit import commitments
 from beeswarm.audit.auditor import Auditor
-from beeswarm.p2p.channel import Channel, ChannelPool, NodeError
+from beeswarm.p2p.channel import Channel, ChannelPool
+from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, Message, ProtocolError, RemoteError, encode, ids
@@ -134,7 +135,7 @@ class RemotePipeline:
         self._lost: dict[str, str] = {}  # route peer -> why it is gone: fail fast, not after the step timeout
         node.on_peer_disconnected.append(self._on_disconnected)
         node.on_peer_connected.append(self.found)
-        self._channels = ChannelPool(node)
+        self._channels = ChannelPool(node.open_channel)
         self._step_ids = itertools.count()
         self.auditor = auditor
         self._sent: dict[tuple[str, int], tuple[bytes, bytes]] = {}  # step -> digests of its context and input

@@ -32,7 +32,8 @@ from beeswarm.audit import commitments
 from beeswarm.audit.evidence import reveal
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.retention import LoggedStep, StepLog
-from beeswarm.p2p.channel import Channel, ChannelPool, NodeError
+from beeswarm.p2p.channel import Channel, ChannelPool
+from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, Span, encode, ids
 from beeswarm.protocol.audit import Reveal
@@ -110,7 +111,7 @@ class StageServer:
         self.compute_s = 0.0  # seconds its layers computed
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are dropped
-        self._out = ChannelPool(node)
+        self._out = ChannelPool(node.open_channel)
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
         self._codecs: dict[str, codec.LinkCodec] = {}  # per peer a session links to (freed with its last session)
         self._retired = Traffic(0, 0, 0, 0, 0, 0)  # the bytes counted by codecs freed since

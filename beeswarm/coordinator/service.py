@@ -31,7 +31,7 @@ from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.planner import Plan, PlanError, plan
-from beeswarm.p2p.channel import NodeError, PeerUnavailable
+from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder

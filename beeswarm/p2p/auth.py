@@ -12,17 +12,15 @@ import hashlib
 import hmac
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from beeswarm.p2p import wire
 from beeswarm.p2p.channel import close_stream, quiet_reset
+from beeswarm.p2p.host import Host
 from beeswarm.protocol import CONTROL_LIMIT, Decoder, ErrorReply, ProtocolError, encode, ids
 from beeswarm.protocol.auth import Challenge, Proof
-
-if TYPE_CHECKING:
-    from beeswarm.p2p.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +59,7 @@ class Gate:
     from a peer wait for its proof (`admit`), at most TIMEOUT_S.
     """
 
-    def __init__(self, node: Node, secret: bytes | None):
+    def __init__(self, node: Host, secret: bytes | None):
         self.node = node
         self._key = mac_key(secret) if secret else None
         self._authed: dict[str, trio.Event] = {}

@@ -6,31 +6,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from beeswarm.p2p import wire
+from beeswarm.p2p.errors import ChannelClosed, NodeError, PeerUnavailable
+from beeswarm.p2p.host import Host
 from beeswarm.protocol import ProtocolError
-
-if TYPE_CHECKING:
-    from beeswarm.p2p.node import Node
 
 log = logging.getLogger(__name__)
 
 CHANNEL_BUFFER_LIMIT = 1024 * 1024 * 1024
-
-
-class NodeError(Exception):
-    """The node cannot do what was asked (not started, bad address, peer unreachable)."""
-
-
-class PeerUnavailable(NodeError):
-    """The peer could not be reached, or the stream to it broke."""
-
-
-class ChannelClosed(NodeError):
-    """The channel was closed by either side or its connection broke."""
 
 
 class Channel:
@@ -41,7 +28,7 @@ class Channel:
     return quickly; raising `ProtocolError` counts against the peer.
     """
 
-    def __init__(self, node: Node, stream: Any, peer: str, protocol: str, limit: int):
+    def __init__(self, node: Host, stream: Any, peer: str, protocol: str, limit: int):
         self.node, self.peer, self.protocol, self.limit = node, peer, protocol, limit
         self.on_frame: Callable[[Channel, bytes], None] | None = None
         self._stream = stream
@@ -142,8 +129,8 @@ class Channel:
 class ChannelPool:
     """One open channel per (peer, protocol), opened again when it closed (any thread)."""
 
-    def __init__(self, node: Node):
-        self.node = node
+    def __init__(self, open_channel: Callable[[str, str], Channel]):
+        self.open_channel = open_channel  # (peer, protocol) -> a new channel: `Node.open_channel`
         self._open: dict[tuple[str, str], Channel] = {}
         self._lock = threading.Lock()
 
@@ -151,7 +138,7 @@ class ChannelPool:
         with self._lock:
             channel = self._open.get((peer, protocol))
         if channel is None or channel.closed:
-            channel = self.node.open_channel(peer, protocol)
+            channel = self.open_channel(peer, protocol)
             with self._lock:  # channels that closed meanwhile (peers gone) are forgotten
                 self._open = {key: open_ for key, open_ in self._open.items() if not open_.closed}
                 self._open[(peer, protocol)] = channel

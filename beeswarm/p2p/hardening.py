@@ -1,6 +1,6 @@
 """Guards around the py-libp2p paths where one peer's bytes could stop or wedge the whole host.
 
-Written against py-libp2p 0.8.1 (`PY_LIBP2P`); `install()` (node.py calls it at import) applies each
+Written against py-libp2p 0.8.1 (`PY_LIBP2P`); `install()` (`Node.start` calls it) applies each
 guard once. Why each is needed, with the 0.8.1 source it wraps (paths under site-packages/libp2p/):
 
 Every inbound stream runs in `SwarmConn._handle_new_streams`' nursery

@@ -39,7 +39,8 @@ from typing import Any
 import msgspec
 import trio
 
-from beeswarm.p2p.node import Node, NodeError, PeerUnavailable
+from beeswarm.p2p.errors import NodeError, PeerUnavailable
+from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode, ids
 from beeswarm.protocol.membership import Beat, Heartbeat, Leave, NodeInfo, View

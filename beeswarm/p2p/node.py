@@ -38,25 +38,20 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from beeswarm.p2p import addresses, auth, hardening, logs, tuning
 from beeswarm.p2p.bans import BanList
-from beeswarm.p2p.channel import Channel, ChannelClosed, NodeError, PeerUnavailable, quiet_reset, reason, within  # noqa: F401 - errors re-exported for callers of the node
+from beeswarm.p2p.channel import Channel, quiet_reset, reason, within
+from beeswarm.p2p.errors import NodeError, NodeFailed, PeerUnavailable
 from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.requests import Handler, Requests
 from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, ProtocolError, encode, ids
 
 log = logging.getLogger(__name__)
 logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
-hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop the host: contained (see hardening.py)
-tuning.install()  # and three of its per-message costs that grow with the swarm, cut (see tuning.py)
 
 GOSSIPSUB = TProtocol("/meshsub/1.0.0")
 STOP_TIMEOUT_S = 2.0
 REMEMBER_S = 600  # how long addresses given to `remember_addrs` stay dialable (their peerstore TTL)
 RESTART_MIN_S, RESTART_MAX_S = 0.5, 30.0  # backoff before a failed long-lived task runs again
 NOT_DIALABLE = "0.0.0.0 and :: are where a node listens, not an address to dial (use the machine's IP address)"
-
-
-class NodeFailed(NodeError):
-    """The node's loop ended on an error (`Node.failure`): the process should exit non-zero (the CLI exits 1)."""
 
 
 @dataclass
@@ -145,6 +140,8 @@ class Node:
     def start(self, timeout: float = 20.0) -> Node:
         if self._thread is not None:
             raise NodeError("node already started")
+        hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop or wedge the host (hardening.py)
+        tuning.install()  # and four of its per-message costs that grow with the swarm, cut (tuning.py)
         self._thread = threading.Thread(target=self._thread_main, name=f"p2p-{self.peer_id[-6:]}", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):

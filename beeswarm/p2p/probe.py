@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from beeswarm.p2p.node import Channel, ChannelClosed, Node
+from beeswarm.p2p.channel import Channel
+from beeswarm.p2p.errors import ChannelClosed
+from beeswarm.p2p.node import Node
 from beeswarm.protocol import Decoder, ProtocolError, encode, ids
 from beeswarm.protocol.probe import MAX_BULK, Download, Ping, Pong, Upload, Uploaded
 

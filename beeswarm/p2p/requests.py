@@ -9,16 +9,15 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from beeswarm.p2p import wire
-from beeswarm.p2p.channel import NodeError, PeerUnavailable, close_stream, quiet_reset
+from beeswarm.p2p.channel import close_stream, quiet_reset
+from beeswarm.p2p.errors import NodeError, PeerUnavailable
+from beeswarm.p2p.host import Host
 from beeswarm.protocol import CONTROL_LIMIT, Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode
-
-if TYPE_CHECKING:
-    from beeswarm.p2p.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ Handler = Callable[[str, Any], Message] | Callable[[str, Any], Awaitable[Message
 
 
 class Requests:
-    def __init__(self, node: Node):
+    def __init__(self, node: Host):
         self.node = node
         self._idle: dict[tuple[str, str], list[tuple[Any, wire.FrameReader]]] = {}
 

@@ -1,4 +1,4 @@
-"""Four py-libp2p 0.8.1 costs that grow with the swarm, cut (`install()`, called by node.py at import).
+"""Four py-libp2p 0.8.1 costs that grow with the swarm, cut (`install()`, called by `Node.start`).
 
 Profiled with py-spy on 12 nodes in one process (benchmarks/mesh_bench.py --sizes 12), the interpreter
 at its one-core limit; of all samples:
