@@ -4,8 +4,9 @@ py-libp2p is trio-only while torch workers and Textual live elsewhere, so the no
 thread of its own; methods without `_async` may be called from any thread, the `_async` ones from
 the node's loop. Transport: TCP + Noise (only) + Yamux, one connection per peer. Every stream's
 reader drains into our own buffers so slow compute never stalls a yamux window (py-libp2p resets
-a writer that waits more than 5 s for one). The parts: `auth.Gate` (who may be served),
-`requests.Requests` (request/response), `channel.Channel` (framed duplex streams), pubsub here.
+a writer that waits more than 5 s for one). The parts: `transport` (the host), `auth.Gate` (who may be
+served), `requests.Requests` (request/response), `channel.Channel` (framed duplex streams), `topics`
+(gossipsub), `reach` (bootstraps, relays), `peers` (the connection table and peerstore), `supervisor`.
 """
 from __future__ import annotations
 
@@ -18,40 +19,29 @@ from typing import Any
 
 import multiaddr
 import trio
-from libp2p import new_host
-from libp2p.abc import INotifee
-from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
-from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
-from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
-from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
-from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-from beeswarm.p2p import addresses, auth, hardening, logs, tuning
+from beeswarm.p2p import addresses, auth, hardening, logs, peers, reach, topics, transport, tuning
 from beeswarm.p2p.bans import BanList
 from beeswarm.p2p.channel import Channel, quiet_reset, reason, within
 from beeswarm.p2p.errors import NodeError, NodeFailed, PeerUnavailable
 from beeswarm.p2p.identity import Identity
+from beeswarm.p2p.peers import NodeStats
+from beeswarm.p2p.reach import NOT_DIALABLE
 from beeswarm.p2p.requests import Handler, Requests
-from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, ProtocolError, encode, ids
+from beeswarm.p2p.supervisor import supervised
+from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, encode, ids
 
 log = logging.getLogger(__name__)
 logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
 
-GOSSIPSUB = TProtocol("/meshsub/1.0.0")
 STOP_TIMEOUT_S = 2.0
 REMEMBER_S = 600  # how long addresses given to `remember_addrs` stay dialable (their peerstore TTL)
-RESTART_MIN_S, RESTART_MAX_S = 0.5, 30.0  # backoff before a failed long-lived task runs again
-NOT_DIALABLE = "0.0.0.0 and :: are where a node listens, not an address to dial (use the machine's IP address)"
 
 
 @dataclass
@@ -65,39 +55,6 @@ class NodeConfig:
     relays: list[str] = field(default_factory=list)  # reserve a slot on these and announce the relayed address
     relay_service: bool = False  # relay circuits for peers that cannot be dialled
     forget_every_s: float = 60.0  # how often peers neither connected nor remembered leave the peerstore
-
-@dataclass(frozen=True)
-class NodeStats:
-    """What a node holds that grows with the peers it has met: each must stay flat under churn."""
-    connected_peers: int  # peers with an open connection
-    connections: int  # connections in py-libp2p's table (open or closing)
-    known_peers: int  # peers in the peerstore (keys, addresses, protocols)
-    inbound_slots: int  # inbound connections py-libp2p counts against its cap (max_connections - min_connections)
-    tasks: int  # trio tasks in the node's loop
-
-
-class _ConnectionWatcher(INotifee):
-    def __init__(self, node: Node):
-        self.node = node
-
-    async def opened_stream(self, network: Any, stream: Any) -> None:
-        pass
-
-    async def closed_stream(self, network: Any, stream: Any) -> None:
-        pass
-
-    async def connected(self, network: Any, conn: Any) -> None:
-        self.node._connected(str(conn.muxed_conn.peer_id))
-
-    async def disconnected(self, network: Any, conn: Any) -> None:
-        self.node._disconnected(str(conn.muxed_conn.peer_id))
-
-    async def listen(self, network: Any, multiaddr: Any) -> None:
-        pass
-
-    async def listen_close(self, network: Any, multiaddr: Any) -> None:
-        pass
-
 
 class Node:
     """One beeswarm peer on the libp2p mesh. Nothing starts until `start()`."""
@@ -122,7 +79,7 @@ class Node:
         self._pubsub: Pubsub | None = None
         self._relay: CircuitV2Transport | None = None
         self.relayed_addrs: list[str] = []
-        self._bootstrap_state: dict[str, str | None] = {}  # bootstrap address -> last dial error (None: reached)
+        self._bootstraps: reach.Bootstraps | None = None  # (made with the host)
         self.on_peer_connected: list[Callable[[str], None]] = []
         self.on_peer_disconnected: list[Callable[[str], None]] = []
         # Peers the peerstore keeps while not connected (membership's members); every other gone peer is forgotten.
@@ -202,68 +159,49 @@ class Node:
         if self.failure is not None:
             raise NodeFailed(f"the p2p node stopped on an error: {reason(self.failure)}") from self.failure
 
-    def _new_host(self) -> Any:
-        kp = self.identity.key_pair
-        noise = NoiseTransport(kp, noise_privkey=new_x25519_key_pair().private_key)
-        return new_host(
-            key_pair=kp,
-            sec_opt={NOISE_PROTOCOL_ID: noise},  # the default also accepts plaintext peers
-            muxer_preference="YAMUX",
-            connection_config=ConnectionConfig(max_connections_per_peer=1),
-            # announce what peers can dial: the given addresses, else the listening ones with 0.0.0.0 / ::
-            # replaced by this host's interface addresses (never the unspecified address itself)
-            addrs_factory=lambda found: addresses.concrete([multiaddr.Multiaddr(a) for a in self.config.announce]
-                                                           or found),
-            psk=auth.pnet_key(self.config.secret) if self.config.secret else None,
-        )
-
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
         try:
             listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
-            host = self._new_host()
+            host = transport.new_host(self.identity, self.config.announce, self.config.secret)
         except Exception as e:  # noqa: BLE001 - bad multiaddr strings and the like
             raise NodeError(f"bad node configuration: {e}") from e
         self._host = host
-        # py-libp2p's auto-connector dials every peer in the peerstore up to 150 connections: a full mesh,
-        # N^2 handshakes in a swarm starting at once. Membership keeps the links a node needs instead.
-        host.get_network().auto_connector.maybe_connect = _no_auto_connect
+        # py-libp2p refuses to dial a peer again for 60 s once every address failed; a bootstrap is retried sooner
+        self._bootstraps = bootstraps = reach.Bootstraps(
+            self.config.bootstrap, self.peer_id, self._connect, self._live_peers,
+            getattr(host.get_network(), "_negative_peer_cache", None))
         hardening.watch(host, self.strike)  # a peer whose input py-libp2p failed on is struck
-        # Rate limits well above our heartbeat rate; localhost peers share one IP, so no IP diversity rule.
-        router = GossipSub(protocols=[GOSSIPSUB], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
-                           heartbeat_initial_delay=0.1, eclipse_protection_enabled=False,
-                           max_messages_per_topic_per_second=50.0)
-        self._pubsub = Pubsub(host, router, max_inbound_rpc_size=CONTROL_LIMIT * 4)
-        limits = RelayLimits(duration=24 * 3600, data=1 << 40, max_circuit_conns=64, max_reservations=64)
-        circuits = CircuitV2Protocol(host, limits=limits, allow_hop=self.config.relay_service)
-        roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if self.config.relay_service else RelayRole(0))
+        self._pubsub, router = topics.new_pubsub(host)
+        circuits, relay_config = reach.relay_protocol(host, self.config.relay_service)
         with trio.CancelScope() as scope:
             async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
                 self._nursery = nursery
-                host.get_network().register_notifee(_ConnectionWatcher(self))
+                host.get_network().register_notifee(peers.ConnectionWatcher(self._connected, self._disconnected))
                 host.set_stream_handler(TProtocol(ids.AUTH), self.gate.on_stream)
                 for protocol, wrapped in self._handlers.items():
                     host.set_stream_handler(TProtocol(protocol), wrapped)
                 async with background_trio_service(self._pubsub), background_trio_service(router), \
                         background_trio_service(circuits):
-                    self._relay = CircuitV2Transport(host, circuits, RelayConfig(roles=roles, limits=limits))
+                    self._relay = CircuitV2Transport(host, circuits, relay_config)
                     for addr in self.config.relays:
-                        await self._reserve(addr)
+                        relayed = await reach.reserve(host, self._relay, nursery, self._connect, addr, self.peer_id)
+                        self.relayed_addrs += [relayed] if relayed else []
                     await self._pubsub.wait_until_ready()
                     for topic, decoder, callback in self._subscriptions:
                         await self._subscribe(topic, decoder, callback)
                     for addr in self.config.bootstrap:
-                        self._spawn(self._keep_connected, (addr,), restart=True)
+                        self._spawn(bootstraps.keep, (addr,), restart=True)
                     for task in self._tasks:
                         self._spawn(task, (), restart=True)
-                    self._spawn(self._forget_gone_peers, (), restart=True)
+                    self._spawn(peers.forget_gone, (host, self._kept, self.config.forget_every_s), restart=True)
                     self._ready.set()
                     await self._stop.wait()
                     scope.deadline = trio.current_time() + STOP_TIMEOUT_S - 0.5
                     nursery.cancel_scope.cancel()  # our tasks end (no re-dial meanwhile), then the connections close
                     with trio.CancelScope(shield=True):
-                        await self._close_connections(STOP_TIMEOUT_S / 2)
+                        await peers.close_all(host, STOP_TIMEOUT_S / 2)
 
     # the node's loop, from any thread ---------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -289,7 +227,7 @@ class Node:
 
     def add_task(self, fn: Callable[[], Any]) -> None:
         """Run async `fn()` in the node's loop for the node's lifetime (from start, or now if running); if it
-        raises, that is logged and it runs again after a backoff (RESTART_MIN_S doubling to RESTART_MAX_S)."""
+        raises, that is logged and it runs again after a backoff (`supervisor.supervised`)."""
         self._tasks.append(fn)
         if self._ready.is_set():
             self._spawn(fn, (), restart=True)
@@ -297,7 +235,7 @@ class Node:
     def _spawn(self, fn: Callable[..., Any], args: tuple[Any, ...], restart: bool) -> None:
         if self._nursery is None:
             return
-        start = functools.partial(self._nursery.start_soon, self._supervise, fn, args, restart,
+        start = functools.partial(self._nursery.start_soon, supervised, fn, args, restart, self.peer_id,
                                   name=getattr(fn, "__qualname__", repr(fn)))
         try:
             if threading.current_thread() is self._thread:
@@ -308,38 +246,6 @@ class Node:
             pass
         except RuntimeError as e:  # "Nursery is closed to new arrivals": the node is stopping, nothing to run
             log.debug("not starting %s: %s", getattr(fn, "__qualname__", fn), e)
-
-    async def _supervise(self, fn: Callable[..., Any], args: tuple[Any, ...], restart: bool) -> None:
-        """Run `fn(*args)` so that its failure never ends the node's nursery: each failure is logged once (the
-        first with its traceback); with `restart`, it runs again after a backoff. Cancellation propagates."""
-        name, delay, failures = getattr(fn, "__qualname__", repr(fn)), RESTART_MIN_S, 0
-        while True:
-            began = trio.current_time()
-            error: BaseException | None = None
-            try:
-                await fn(*args)
-                return
-            except Exception as e:  # noqa: BLE001 - never trio.Cancelled (a BaseException)
-                error = e
-            except BaseExceptionGroup as group:
-                cancelled, rest = group.split(trio.Cancelled)
-                if cancelled is not None:  # being cancelled: the rest is logged, the cancellation goes on
-                    if rest is not None:
-                        log.error("task %s of %s failed while cancelled", name, self.peer_id, exc_info=rest)
-                    raise cancelled from None
-                error = rest
-            failures += 1
-            if failures == 1:
-                log.error("task %s of %s failed", name, self.peer_id, exc_info=error)
-            else:
-                log.warning("task %s of %s failed again (%d times): %s: %s", name, self.peer_id, failures,
-                            type(error).__name__, error)
-            if not restart:
-                return
-            if trio.current_time() - began > RESTART_MAX_S:
-                delay = RESTART_MIN_S  # it had run a good while: a fresh failure, not a loop
-            await trio.sleep(delay)
-            delay = min(2 * delay, RESTART_MAX_S)
 
     # addresses and connections ----------------------------------------------------------------
     @property
@@ -375,74 +281,18 @@ class Node:
         await within(timeout, f"reaching {info.peer_id} through {relay_part}", self._relay.dial, maddr)
         return str(info.peer_id)
 
-    async def _reserve(self, relay_addr: str) -> None:
-        """Take a slot on a relay and announce the address peers can reach us through."""
-        assert self._relay is not None and self._nursery is not None  # called from `_run`, inside both
-        try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
-            await self._connect(info, 10.0)
-            with trio.fail_after(10.0):
-                stream = await self._host.new_stream(info.peer_id, [RELAY_HOP])
-                ok = await self._relay.reserve(stream, info.peer_id, self._nursery)
-        except Exception as e:  # noqa: BLE001
-            log.error("no reservation on relay %s: %s", relay_addr, e)
-            return
-        if not ok:
-            log.error("relay %s refused a reservation", relay_addr)
-            return
-        self.relayed_addrs.append(f"{relay_addr}/p2p-circuit/p2p/{self.peer_id}")
-        log.info("reachable through relay %s", relay_addr)
-
     async def _connect(self, info: Any, timeout: float) -> None:
         if self.bans.is_banned(str(info.peer_id)):
             raise PeerUnavailable(f"{info.peer_id} is banned")
         await within(timeout, f"connecting to {info.peer_id}", self._host.connect, info)
 
-    async def _keep_connected(self, addr: str) -> None:
-        """Dial a bootstrap address, and again whenever the connection drops; `bootstrap_errors()` has
-        the last failure."""
-        try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-        except Exception as e:  # noqa: BLE001
-            log.error("bootstrap address %r is invalid: %s", addr, e)
-            self._bootstrap_state[addr] = f"not a multiaddr ending in /p2p/<peer id> ({e})"
-            return
-        if str(info.peer_id) == self.peer_id:
-            self._bootstrap_state[addr] = None
-            return
-        if addresses.unspecified(addr):
-            self._bootstrap_state[addr] = NOT_DIALABLE
-            return
-        # py-libp2p refuses to dial a peer again for 60 s once every address failed; a bootstrap is retried sooner
-        failed = getattr(self._host.get_network(), "_negative_peer_cache", None)
-        while True:
-            if info.peer_id not in self._live_peers():
-                if failed is not None:
-                    failed.evict(str(info.peer_id))
-                try:
-                    await self._connect(info, 10.0)
-                    self._bootstrap_state[addr] = None
-                except PeerUnavailable as e:
-                    log.info("bootstrap %s: %s", addr, e)
-                    why = str(e).removeprefix(f"connecting to {info.peer_id}")
-                    self._bootstrap_state[addr] = why.removeprefix(":").strip() or str(e)
-            else:
-                self._bootstrap_state[addr] = None
-            await trio.sleep(2.0)
-
     def bootstrap_errors(self) -> dict[str, str]:
         """Each bootstrap address whose last dial failed, with why (an address not dialled yet is absent)."""
-        return {addr: error for addr, error in dict(self._bootstrap_state).items() if error is not None}
+        return self._bootstraps.errors() if self._bootstraps else {}
 
     def unreachable(self) -> str | None:
-        """Why the swarm cannot be reached, once every bootstrap address was dialled and failed and no peer
-        is connected: each address with its error. None while a bootstrap answers or is untried, or a peer
-        is connected (or when there is no bootstrap: a node that starts a swarm waits for others)."""
-        state = dict(self._bootstrap_state)
-        bootstrap = set(self.config.bootstrap)
-        if not bootstrap or any(state.get(addr) is None for addr in bootstrap) or self.connected_peers():
-            return None  # (None: untried, or reached)
-        return "; ".join(f"{addr}: {state[addr]}" for addr in sorted(bootstrap))
+        """Why the swarm cannot be reached (`reach.Bootstraps.unreachable`); None while it may be."""
+        return self._bootstraps.unreachable(bool(self.connected_peers())) if self._bootstraps else None
 
     def remember_addrs(self, peer: str, addrs: tuple[str, ...]) -> None:
         """Record where `peer` can be dialled for REMEMBER_S, so streams to it connect on demand (call in the loop)."""
@@ -470,49 +320,19 @@ class Node:
         return any(not getattr(c, "is_closed", False) for c in conns)
 
     def _live_peers(self) -> set[Any]:
-        """Peers with an open connection. (py-libp2p 0.8.1 keeps a peer's key in its connection table,
-        with an empty list, after the last connection closed: `get_connected_peers` still lists it.)"""
-        return {peer for peer, conns in self._host.get_network().connections.items()
-                if any(not getattr(c, "is_closed", False) for c in conns)}
+        return peers.live_peers(self._host)
 
-    async def _close_connections(self, timeout: float) -> None:
-        """Close every connection, all at once (py-libp2p's own shutdown left them open: their peers saw this
-        node connected until it exited, and a process that stops nodes kept their sockets)."""
-        with trio.move_on_after(timeout):
-            async with trio.open_nursery() as closing:
-                for conn in self._host.get_network().get_connections():
-                    closing.start_soon(_close_quietly, conn)
-
-    async def _forget_gone_peers(self) -> None:
-        """Every `forget_every_s`, drop from the peerstore each peer that is not connected, not a bootstrap and
-        not kept (`keep_known`: the members). py-libp2p 0.8.1 never starts its own clean-up and identify keeps
-        a peer's addresses for 2 h: every peer ever met stayed, its key, protocols and signed record too."""
-        store = self._host.get_peerstore()
-        bootstrap = {a.rsplit("/p2p/", 1)[1] for a in self.config.bootstrap if "/p2p/" in a}
-        while True:
-            await trio.sleep(self.config.forget_every_s)
-            keep = {self.peer_id, *bootstrap}
-            for kept in list(self.keep_known):
-                keep.update(kept())
-            live = self._live_peers()
-            for peer in store.peer_ids():
-                if peer not in live and str(peer) not in keep:
-                    try:
-                        store.clear_peerdata(peer)
-                    except Exception:  # noqa: BLE001 - gone meanwhile
-                        pass
+    def _kept(self) -> set[str]:
+        """Peers the peerstore keeps while not connected: this node, its bootstraps, `keep_known` (members)."""
+        kept = {self.peer_id, *(self._bootstraps.peers() if self._bootstraps else ())}
+        for more in list(self.keep_known):
+            kept.update(more())
+        return kept
 
     def stats(self) -> NodeStats:
         """Counts of what the node holds per peer (any thread)."""
-        return self.call(self._stats)
-
-    async def _stats(self) -> NodeStats:
-        network = self._host.get_network()
-        limiter = getattr(network, "_inbound_limiter", None)
-        return NodeStats(connected_peers=len(self._live_peers()), connections=len(network.get_connections()),
-                         known_peers=len(self._host.get_peerstore().peer_ids()),
-                         inbound_slots=int(limiter.borrowed_tokens) if limiter is not None else 0,
-                         tasks=_count_tasks(trio.lowlevel.current_root_task()))
+        stats: NodeStats = self.call(peers.stats, self._host)
+        return stats
 
     async def disconnect_async(self, peer: str) -> None:
         try:
@@ -650,45 +470,7 @@ class Node:
     async def _subscribe(self, topic: str, messages: Decoder[Any], callback: Callable[[str, Any], None]) -> None:
         assert self._pubsub is not None and self._nursery is not None
         subscription = await self._pubsub.subscribe(topic)
-        self._spawn(self._pump, (topic, subscription, messages, callback), restart=True)
-
-    async def _pump(self, topic: str, subscription: Any, messages: Decoder[Any],
-                    callback: Callable[[str, Any], None]) -> None:
-        while True:
-            message = await subscription.get()
-            try:
-                author = _author(message.from_id)
-            except Exception:  # noqa: BLE001
-                continue
-            if author == self.peer_id:
-                continue
-            try:
-                callback(author, messages.decode(message.data))
-            except ProtocolError as e:
-                self.strike(author, f"{topic}: {e}")
-            except Exception:  # noqa: BLE001
-                log.exception("subscriber of %s failed", topic)
-
-
-async def _no_auto_connect() -> None:
-    pass
-
-
-async def _close_quietly(conn: Any) -> None:
-    try:
-        await conn.close()
-    except Exception as e:  # noqa: BLE001 - already closing
-        log.debug("closing a connection: %s", e)
-
-
-def _count_tasks(task: Any) -> int:
-    return 1 + sum(_count_tasks(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
-
-
-# py-libp2p encodes base58 in pure Python on every str(ID): one encoding per peer, not per message
-@functools.lru_cache(maxsize=8192)
-def _author(from_id: bytes) -> str:
-    return str(ID(from_id))
+        self._spawn(topics.pump, (subscription, topic, messages, callback, self.peer_id, self.strike), restart=True)
 
 
 @functools.lru_cache(maxsize=8192)
