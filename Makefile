@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 BUNDLE := dist/beeswarm/beeswarm
 
-.PHONY: demo test check install bundle
+.PHONY: demo test test-fast check install bundle
 
 demo: $(STAMP)
 	$(VENV)/bin/beeswarm demo $(ARGS)
@@ -31,6 +31,10 @@ test: $(STAMP) check
 	if [ "$$(cat build/bundle.rc)" != 0 ]; then tail -40 build/bundle.log; echo "bundle build failed"; exit 1; fi; \
 	BEESWARM_REQUIRE_BUNDLE=1 $(PY) -m pytest $(PYTEST_ARGS) tests/test_bundle.py; bundle=$$?; \
 	exit $$(( suite || bundle ))
+
+# The inner loop: the pure and in-process tests (no beeswarm processes), a few minutes on 2 cores.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" --ignore=tests/test_bundle.py $(PYTEST_ARGS)
 
 install: $(STAMP)
 

@@ -21,6 +21,8 @@ from transformers import AutoTokenizer
 from beeswarm.contributor.local import budgets
 from helpers import lines_of, read_until, reference_greedy, start_contributors, wait_for
 
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
+
 KEY = "test-key-0123"
 PROMPT = "def f(x):"
 

@@ -240,6 +240,7 @@ def status(boot: str, env: dict) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(tiny_models, tmp_path):
     """Three contributor processes, one returning noise on half its steps, and a spare that joins once they
     serve. A chat auditing half the steps gets transformers' greedy tokens, reports the

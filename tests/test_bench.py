@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from beeswarm.coordinator.cluster import parse_cluster
 from beeswarm.coordinator.planner import plan
+
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
 
 def bench(cache, *args):

@@ -29,6 +29,8 @@ from beeswarm.tui.widgets.peers_table import PeersTable
 from beeswarm.tui.widgets.phase_bars import PhaseRow
 from helpers import LOCAL, in_terminal, lines_of, read_until, threads_left, until
 
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
+
 
 def table(app) -> dict[str, list[str]]:
     """The peers table as the user sees it: short id -> the row's cells."""

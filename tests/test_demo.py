@@ -66,6 +66,7 @@ def test_sampling_defaults_come_from_the_models_generation_config(tmp_path):
     assert shipped.temperature and shipped.repetition_penalty and shipped.repetition_penalty > 1  # no greedy loops
 
 
+@pytest.mark.slow
 def test_demo_json_on_a_tiny_model(tiny_llama):
     out = beeswarm("demo", "--model", str(tiny_llama), "--prompt", "def f(x):", "--max-new-tokens", "12",
                    "--greedy", "--json")
@@ -78,6 +79,7 @@ def test_demo_json_on_a_tiny_model(tiny_llama):
     assert result["tokens"] == reference_greedy(tiny_llama, tokenizer.encode("def f(x):"), 12)
 
 
+@pytest.mark.slow
 def test_demo_errors_are_one_line_without_traceback(tiny_llama):
     cases = [(["--model", "no-such-model", "--prompt", "x"], "not a built-in name"),
              (["--model", str(tiny_llama), "--prompt", "x", "--max-new-tokens", "100000"], "context"),
@@ -91,6 +93,7 @@ def test_demo_errors_are_one_line_without_traceback(tiny_llama):
         assert message in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_tinycode_demo_writes_python():
     out = beeswarm("demo", "--prompt", "def fib(n):", "--max-new-tokens", "32", "--greedy", "--json")
     assert out.returncode == 0, out.stderr
@@ -99,6 +102,7 @@ def test_tinycode_demo_writes_python():
     assert "\n    " in text, text
 
 
+@pytest.mark.slow
 def test_demo_app_on_a_terminal_stops_its_swarm_when_left(tiny_llama, tmp_path):
     """`demo` without --prompt opens the chat app beside the swarm; Ctrl-Q ends it and every child."""
     tag = f"demo-{os.getpid()}-{tmp_path.name}"  # inherited by the demo's contributor processes

@@ -12,6 +12,8 @@ import pytest
 from beeswarm import secrets
 from beeswarm.p2p import identity
 
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
+
 
 @pytest.fixture
 def config_dir(tmp_path, monkeypatch):

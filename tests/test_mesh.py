@@ -10,8 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import mesh_procs  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
 MEMBERS, WORKERS = 48, 4
 

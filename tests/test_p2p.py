@@ -203,6 +203,7 @@ def _read_until(proc, prefix: str, timeout: float = 20) -> str:
     return result[0]
 
 
+@pytest.mark.slow
 def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
     procs = []
     envs = []
@@ -236,6 +237,7 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
             p.wait()
 
 
+@pytest.mark.slow
 def test_a_node_stays_open_to_newcomers_after_hundreds_of_peers_vanished(mesh):
     """py-libp2p 0.8.1 held one of 250 inbound slots per connection ever accepted, until the process ended:
     after ~250 peers had come and gone, every newcomer's handshake was reset (p2p/hardening.py, guard E)."""

@@ -154,6 +154,7 @@ def run_plan(tmp_path, data, *args):
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_plan_cli_json_table_and_errors(tmp_path):
     raw = random_cluster(random.Random(1), 4, 8, "throughput")
     for node in raw["nodes"]:

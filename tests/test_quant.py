@@ -125,6 +125,7 @@ def test_the_planner_fits_at_int8_a_model_it_cannot_hold_in_full_precision():
     assert sum(len(s) for s in spans) == model_shape("tinycode").num_layers
 
 
+@pytest.mark.slow
 def test_unknown_formats_are_named():
     with pytest.raises(ShardError, match="expected one of none, int8, nf4"):
         quant.check("int4")
@@ -133,6 +134,7 @@ def test_unknown_formats_are_named():
     assert out.returncode == 2 and "invalid choice: 'fp8'" in out.stderr
 
 
+@pytest.mark.slow
 def test_an_int8_swarm_serves_greedy_tokens_of_the_int8_model_audits_in_int8_and_leaves_out_other_formats(
         model, tmp_path):
     """`swarm --local 3 --quant int8`, then a contributor started with full-precision weights: the plan is

@@ -82,6 +82,7 @@ def env(tmp_path):
     return e
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["chat", "--prompt", "def f(x):", "--max-new-tokens", "4"], ["status"]])
 def test_joining_a_bootstrap_that_refuses_fails_within_seconds_naming_it(command, env, tiny_llama):
     addr = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{identity.ephemeral().peer_id}"

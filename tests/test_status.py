@@ -88,6 +88,7 @@ def env(tmp_path):
     return e
 
 
+@pytest.mark.slow
 def test_status_json_on_a_two_process_local_swarm(tiny_llama, env):
     swarm = subprocess.Popen([sys.executable, "-m", "beeswarm", "swarm", "--local", "2", "--model", str(tiny_llama),
                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)

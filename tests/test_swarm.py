@@ -22,6 +22,8 @@ from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tuner import Tuner
 from helpers import alive, lines_of, read_until, reference_greedy, start_contributors, wait_for
 
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
+
 
 @pytest.fixture
 def env(tmp_path):

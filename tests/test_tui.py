@@ -21,6 +21,8 @@ from beeswarm.tui.widgets.swarm_panel import SwarmPanel
 from beeswarm.tui.widgets.transcript import Transcript
 from helpers import LOCAL, threads_left, until
 
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def swarm_client(tiny_llama, tmp_path_factory):
