@@ -380,3 +380,18 @@ def test_a_stopped_node_closes_its_connections(mesh):
         visitor.connect(node.addrs[0])
         visitor.stop()
     wait_for(lambda: not node.connected_peers(), 5, "the stopped visitors' connections to close")
+
+
+def test_a_channel_closed_locally_leaves_no_reader_behind(mesh):
+    """py-libp2p never wakes a read pending on a stream reset locally: every probe channel a contributor closed
+    kept its reader task for as long as the connection lived (tasks grew by one a probe under the soak)."""
+    served: list[Channel] = []
+    a, b = mesh(2, members=False, setup=lambda n: n.serve_channel("/test/close/1", served.append))
+    a.connect(b.addrs[0])
+    before = a.stats().tasks
+    for _ in range(20):
+        channel = a.open_channel(b.peer_id, "/test/close/1")
+        channel.send(b"x")
+        channel.close()
+    # (a few tasks come and go with the connection's own traffic: 20 readers left behind would not)
+    wait_for(lambda: a.stats().tasks < before + 5, 5, "the closed channels' readers to end")

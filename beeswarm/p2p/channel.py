@@ -37,11 +37,24 @@ class Channel:
         self._cond = threading.Condition()
         self._closed: str | None = None
         self._send_lock = trio.Lock()
+        # The reader's scope: closing the channel cancels it (py-libp2p 0.8.1 never wakes a read pending on a
+        # stream reset locally, and drops the stream from the connection's table: the reader waited forever)
+        self._reader = trio.CancelScope()
 
     # trio side --------------------------------------------------------------------------------
     async def run_reader(self) -> None:
         """In the node's loop, for the channel's lifetime: drain the stream into `on_frame` or the buffer."""
         frames = wire.FrameReader(self._stream, self.limit)
+        try:
+            with self._reader:
+                await self._read(frames)
+        finally:
+            with trio.CancelScope(shield=True):
+                await quiet_reset(self._stream)
+
+    async def _read(self, frames: wire.FrameReader) -> None:
+        if self._closed is not None:
+            return  # closed before its reader started
         try:
             while True:
                 body = await frames.next()
@@ -65,9 +78,6 @@ class Channel:
             self.mark_closed(str(e))
         except Exception as e:  # noqa: BLE001 - resets, EOF, connection loss
             self.mark_closed(f"{type(e).__name__}: {e}")
-        finally:
-            with trio.CancelScope(shield=True):
-                await quiet_reset(self._stream)
 
     async def _send(self, body: bytes) -> None:
         async with self._send_lock:
@@ -121,9 +131,13 @@ class Channel:
     def close(self) -> None:
         self.mark_closed("closed locally")
         try:
-            self.node.call(quiet_reset, self._stream)
+            self.node.call(self._close)
         except NodeError:
             pass
+
+    async def _close(self) -> None:
+        self._reader.cancel()
+        await quiet_reset(self._stream)
 
 
 class ChannelPool:
