@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+
+import torch
 
 from beeswarm import codec
 from beeswarm.audit import DEFAULT_RATE
@@ -65,6 +68,126 @@ def find_route(active: tuple[Pipeline, ...], view: dict[str, NodeInfo],
                and usable(s.node) for s in pipeline.stages):
             return pipeline
     return None
+
+
+# --- one generation: what was asked, what it has so far, the outcome of each attempt -----------------
+@dataclass(frozen=True)
+class Request:
+    """What a generation was asked for: the same for each of its attempts."""
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop_ids: Iterable[int]
+    speculate: bool  # with the client's draft (taken for this generation)
+    route_timeout: float
+    on_token: Callable[[int], None] | None = None
+    on_rewind: Callable[[int], None] | None = None
+
+
+@dataclass
+class Progress:
+    """A generation across its attempts: the tokens that stand, the sampling stream, the routes taken and
+    how many tokens there were when each was, its sessions, bytes, recoveries and times."""
+    request: Request
+    generator: torch.Generator | None
+    report: SpecReport | None
+    tokens: list[int] = field(default_factory=list)
+    routes: list[Route] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # tokens there were when each route was taken
+    sessions: list[str] = field(default_factory=list)
+    wire: int = 0  # bytes on every route it took
+    raw: int = 0
+    recoveries: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    ttft: float | None = None
+    last: float = field(init=False)  # the last token's time: closing the sessions after it is not generation time
+
+    def __post_init__(self) -> None:
+        self.last = self.t0
+
+    @classmethod
+    def start(cls, request: Request) -> Progress:
+        return cls(request, new_generator(request.params), SpecReport() if request.speculate else None)
+
+    def take(self, route: Route) -> None:
+        self.routes.append(route)
+        self.starts.append(len(self.tokens))
+
+    def emit(self, token: int) -> None:
+        self.last = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = self.last - self.t0
+        self.tokens.append(token)
+        if self.request.on_token:
+            self.request.on_token(token)
+
+    def trusted(self, caught: AbstractSet[str]) -> int:
+        """The tokens there were before the first route through a caught stage (all of them if none)."""
+        return next((n for r, n in zip(self.routes, self.starts) if any(s.node in caught for s in r)),
+                    len(self.tokens))
+
+    def rewind(self, keep: int, caught: AbstractSet[str]) -> None:
+        """Take back every token after the first `keep` (computed through `caught`)."""
+        if keep < len(self.tokens):
+            log.warning("taking back %d tokens computed through %s", len(self.tokens) - keep, ", ".join(caught))
+            del self.tokens[keep:]
+            if keep == 0:
+                self.generator = new_generator(self.request.params)
+            if self.request.on_rewind:
+                self.request.on_rewind(keep)
+
+    def finished(self) -> bool:
+        tokens = self.tokens
+        return bool(tokens) and tokens[-1] in set(self.request.stop_ids) or len(tokens) >= self.request.max_new_tokens
+
+    def result(self) -> SwarmGeneration:
+        gen = Generation(self.tokens, len(self.request.prompt_ids), self.ttft or 0.0, self.last - self.t0)
+        return SwarmGeneration(gen, self.routes[-1], self.recoveries, self.wire, self.raw, self.routes, self.report)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The route answered until the request was met (or the caller ended it), and no audit caught a stage."""
+
+
+@dataclass(frozen=True)
+class Busy:
+    """A stage had no room for the session: wait for room (up to the route timeout), ban nobody."""
+    error: StageBusy
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A stage (`error.peer`, and why) timed out, went away or returned an error: ban it, take another route."""
+    error: StageFailed
+
+
+@dataclass(frozen=True)
+class Caught:
+    """The audits caught `stages` on a route this generation took: only its first `keep` tokens stand."""
+    stages: AbstractSet[str]
+    keep: int
+
+
+Outcome = Done | Busy | Failed | Caught
+
+
+@dataclass
+class Backoff:
+    """Waits while a route's stages are full: doubling from BUSY_BACKOFF_S[0] to its cap, until `timeout`
+    after the first full stage."""
+    timeout: float
+    wait_s: float = BUSY_BACKOFF_S[0]
+    until: float | None = None
+
+    def wait(self, busy: StageBusy) -> None:
+        """Sleep before the next attempt, or raise `busy` when the next would come past the deadline."""
+        self.until = self.until or time.monotonic() + self.timeout
+        if time.monotonic() + self.wait_s > self.until:
+            raise busy
+        log.info("%s; trying again in %.1f s", busy, self.wait_s)
+        time.sleep(self.wait_s)
+        self.wait_s = min(2 * self.wait_s, BUSY_BACKOFF_S[1])
 
 
 @dataclass(frozen=True)
@@ -246,109 +369,101 @@ class SwarmClient:
         tokens: they are taken back (`on_rewind(n)`: only the first n tokens stand) and generated again on a
         route without it, so what is returned never rests on a stage caught lying."""
         speculate = self.speculate and self.draft is not None and self._draft_busy.acquire(blocking=False)
-        sessions: list[str] = []
+        request = Request(prompt_ids, max_new_tokens, params, stop_ids, speculate, route_timeout, on_token, on_rewind)
         try:
-            return self._generate(prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout, speculate,
-                                  on_rewind, sessions)
-        except BaseException:
-            if self.auditor:
-                self.auditor.settle(sessions, timeout=0)  # forget them: nobody waits for their verdicts
-            raise
+            progress = Progress.start(request)
+            try:
+                return self._generate(progress)
+            except BaseException:
+                if self.auditor:
+                    self.auditor.settle(progress.sessions, timeout=0)  # forget them: nobody waits for their verdicts
+                raise
         finally:
             if speculate:
                 self._draft_busy.release()
 
-    def _generate(self, prompt_ids, max_new_tokens, params, stop_ids, on_token, route_timeout,
-                  speculate: bool, on_rewind, sessions: list[str]) -> SwarmGeneration:
-        generator = new_generator(params)
-        tokens: list[int] = []
-        routes: list[Route] = []
-        starts: list[int] = []  # tokens there were when each route was taken
-        wire = raw = 0
-        t0, ttft, recoveries = time.perf_counter(), None, 0
-        last = t0  # the time of the last token: closing the sessions after it is not generation time
-
-        def emit(token: int) -> None:
-            nonlocal ttft, last
-            last = time.perf_counter()
-            if ttft is None:
-                ttft = last - t0
-            tokens.append(token)
-            if on_token:
-                on_token(token)
-
-        def rewind(caught: set[str]) -> None:
-            """Take back every token from the first route through a caught stage on."""
-            nonlocal generator
-            keep = next((n for r, n in zip(routes, starts) if any(s.node in caught for s in r)), len(tokens))
-            if keep < len(tokens):
-                log.warning("taking back %d tokens computed through %s", len(tokens) - keep, ", ".join(caught))
-                del tokens[keep:]
-                if keep == 0:
-                    generator = new_generator(params)
-                if on_rewind:
-                    on_rewind(keep)
-
-        report = SpecReport() if speculate else None
-        limit = self.entry.config.max_position_embeddings
-        busy_until, busy_wait = None, BUSY_BACKOFF_S[0]
+    def _generate(self, progress: Progress) -> SwarmGeneration:
+        """One attempt after another, each on the route there is then, until one ends the generation with its
+        audits passed. What follows an attempt is decided by its outcome: a full stage is waited for (backing
+        off), a failed one banned and the committed tokens prefilled on the next route, a caught one's tokens
+        taken back first; past MAX_RECOVERIES the failure is raised."""
+        busy = Backoff(progress.request.route_timeout)
         while True:
-            pipeline = self.route(route_timeout)
-            route = pipeline.stages
-            routes.append(route)
-            starts.append(len(tokens))
-            pipe = self._pipeline(route)
+            pipeline = self.route(progress.request.route_timeout)
+            progress.take(pipeline.stages)
+            pipe = self._pipeline(pipeline.stages)
             wire0, raw0 = pipe.wire_bytes, pipe.raw_bytes
+            outcome = self._attempt(progress, pipe, pipeline.micro_batches)
+            if isinstance(outcome, Caught):
+                progress.rewind(outcome.keep, outcome.stages)
+                progress.recoveries += 1
+                if progress.recoveries > MAX_RECOVERIES:  # given up as that stage's failure (logged, struck)
+                    outcome = Failed(StageFailed(next(iter(outcome.stages)),
+                                                 "caught by an audit, and no honest route left"))
+            match outcome:
+                case Busy(error):
+                    busy.wait(error)
+                case Failed(error):
+                    self._fail_over(progress, error)
+            # this generation's bytes (a concurrent one on the same route adds its own)
+            progress.wire, progress.raw = progress.wire + pipe.wire_bytes - wire0, progress.raw + pipe.raw_bytes - raw0
+            if isinstance(outcome, Done) or progress.finished():
+                return progress.result()
+
+    def _attempt(self, progress: Progress, pipe: RemotePipeline, micro_batches: int) -> Outcome:
+        """One attempt on one route: a session on `pipe`, the prompt and the tokens that stand prefilled,
+        tokens until the request is met (or the caller ends it), the session closed, then the audits of every
+        session so far awaited. The route failing is an outcome; any other exception propagates."""
+        in_flight, max_length = self._session_size(progress.request)
+        try:
+            session = pipe.open(max_length)
+            progress.sessions.append(session)
             try:
-                in_flight = self.options.max_in_flight if self.options.mode == "push" else 1
-                # KV room for the nodes in flight and not judged yet (each step's keep drops the dead ones)
-                lookahead = min(in_flight, LOOKAHEAD_STEPS) * (MAX_TREE_NODES + 1) if speculate else 0
-                max_length = min(limit, len(prompt_ids) + max_new_tokens + lookahead)
-                session = pipe.open(max_length)
-                sessions.append(session)
-                try:
-                    m = self.options.micro_batches or pipeline.micro_batches
-                    context, left = prompt_ids + tokens, max_new_tokens - len(tokens)
-                    if speculate:
-                        assert self.draft is not None, "`generate` speculates only when a draft is set"
-                        target = SessionSteps(pipe, session) if in_flight > 1 else \
-                            lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep)
-                        speculative_generate(target, self.draft, context, left, params, self.tuner, stop_ids, emit,
-                                             generator, report, max_length, in_flight,
-                                             lambda ids: pipe.forward(session, ids, 0, micro_batches=m))
-                    else:
-                        generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, params,
-                                 stop_ids, emit, generator)
-                except EndGeneration:
-                    pass  # the caller has what it wants: a normal end
-                finally:
-                    pipe.close_session(session)
-                caught = self.auditor.settle(sessions) if self.auditor else set()
-                if not caught:
-                    break
-                rewind(caught)
-                recoveries += 1
-                if recoveries > MAX_RECOVERIES:
-                    raise StageFailed(next(iter(caught)), "caught by an audit, and no honest route left")
-            except StageBusy as e:  # a full stage is not a broken one: wait for room, up to route_timeout
-                busy_until = busy_until or time.monotonic() + route_timeout
-                if time.monotonic() + busy_wait > busy_until:
-                    raise
-                log.info("%s; trying again in %.1f s", e, busy_wait)
-                time.sleep(busy_wait)
-                busy_wait = min(2 * busy_wait, BUSY_BACKOFF_S[1])
-            except StageFailed as e:
-                recoveries += 1
-                if e.peer in self.caught:
-                    rewind({e.peer})
-                log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",
-                            e, len(prompt_ids) + len(tokens))
-                self.node.bans.strike(e.peer, str(e), severe=True)
-                if recoveries > MAX_RECOVERIES:
-                    raise
-            finally:  # this generation's bytes (a concurrent one on the same route adds its own)
-                wire, raw = wire + pipe.wire_bytes - wire0, raw + pipe.raw_bytes - raw0
-            if tokens and tokens[-1] in set(stop_ids) or len(tokens) >= max_new_tokens:
-                break
-        gen = Generation(tokens, len(prompt_ids), ttft or 0.0, last - t0)
-        return SwarmGeneration(gen, routes[-1], recoveries, wire, raw, routes, report)
+                self._decode(progress, pipe, session, self.options.micro_batches or micro_batches, in_flight,
+                             max_length)
+            except EndGeneration:
+                pass  # the caller has what it wants: a normal end
+            finally:
+                pipe.close_session(session)
+            caught = self.auditor.settle(progress.sessions) if self.auditor else set()
+        except StageBusy as e:  # a full stage is not a broken one
+            return Busy(e)
+        except StageFailed as e:
+            return Failed(e)
+        return Caught(caught, progress.trusted(caught)) if caught else Done()
+
+    def _session_size(self, request: Request) -> tuple[int, int]:
+        """(speculative steps in flight at most, the session's length): the tokens asked for and, speculating,
+        KV room for the nodes in flight and not judged yet (each step's keep drops the dead ones)."""
+        in_flight = self.options.max_in_flight if self.options.mode == "push" else 1
+        lookahead = min(in_flight, LOOKAHEAD_STEPS) * (MAX_TREE_NODES + 1) if request.speculate else 0
+        limit = self.entry.config.max_position_embeddings
+        return in_flight, min(limit, len(request.prompt_ids) + request.max_new_tokens + lookahead)
+
+    def _decode(self, progress: Progress, pipe: RemotePipeline, session: str, m: int, in_flight: int,
+                max_length: int) -> None:
+        """Generate on `session` after the prompt and the tokens that stand, the tokens still wanted."""
+        request = progress.request
+        context, left = request.prompt_ids + progress.tokens, request.max_new_tokens - len(progress.tokens)
+        if not request.speculate:
+            generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, request.params,
+                     request.stop_ids, progress.emit, progress.generator)
+            return
+        assert self.draft is not None, "`generate` speculates only when a draft is set"
+        target = SessionSteps(pipe, session) if in_flight > 1 else \
+            lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep)
+        speculative_generate(target, self.draft, context, left, request.params, self.tuner, request.stop_ids,
+                             progress.emit, progress.generator, progress.report, max_length, in_flight,
+                             lambda ids: pipe.forward(session, ids, 0, micro_batches=m))
+
+    def _fail_over(self, progress: Progress, e: StageFailed) -> None:
+        """A stage failed: the tokens it computed are taken back if an audit caught it, it is banned, and the
+        next attempt prefills the committed tokens on another route; past MAX_RECOVERIES, `e` is raised."""
+        progress.recoveries += 1
+        if e.peer in self.caught:
+            progress.rewind(progress.trusted({e.peer}), {e.peer})
+        log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",
+                    e, len(progress.request.prompt_ids) + len(progress.tokens))
+        self.node.bans.strike(e.peer, str(e), severe=True)
+        if progress.recoveries > MAX_RECOVERIES:
+            raise e
