@@ -132,27 +132,31 @@ def test_seed_repeats_sampled_output_and_stop_cuts_it(served):
     assert out.usage.completion_tokens < 12
 
 
-def test_concurrent_streams_are_all_exact_and_faster_than_in_sequence(served):
+def test_concurrent_streams_are_all_exact_and_served_at_once(served):
+    """Eight streams at once are each exact and are served side by side, not one after another (how much
+    faster that is than in sequence is api_bench.py's figure)."""
     expected = served.reference(PROMPT, 16)
 
-    def stream() -> str:
-        return "".join(c.choices[0].delta.content or "" for c in served.client.chat.completions.create(
-            model=served.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=16, temperature=0,
-            stream=True) if c.choices)
+    def stream() -> tuple[str, float, float]:
+        text, first = "", None
+        for c in served.client.chat.completions.create(model=served.model, max_tokens=16, temperature=0,
+                                                       messages=[{"role": "user", "content": PROMPT}], stream=True):
+            if c.choices and c.choices[0].delta.content:
+                first = first if first is not None else time.monotonic()
+                text += c.choices[0].delta.content
+        return text, first or time.monotonic(), time.monotonic()
 
-    t0 = time.perf_counter()
-    in_sequence = [stream() for _ in range(8)]
-    sequential_s = time.perf_counter() - t0
-    results: list[str] = []
-    t0 = time.perf_counter()
+    assert [stream()[0] for _ in range(8)] == [expected] * 8
+    results: list[tuple[str, float, float]] = []
     threads = [threading.Thread(target=lambda: results.append(stream())) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    concurrent_s = time.perf_counter() - t0
-    assert in_sequence == [expected] * 8 and results == [expected] * 8
-    assert concurrent_s < sequential_s, f"8 at once took {concurrent_s:.2f} s, one by one {sequential_s:.2f} s"
+    assert [text for text, _, _ in results] == [expected] * 8
+    # served at once: some stream had its first token before another had its last
+    spans = sorted((first, last) for _, first, last in results)
+    assert any(spans[i + 1][0] < spans[i][1] for i in range(len(spans) - 1)), spans
 
 
 def test_every_error_has_openais_shape_and_status(served):
