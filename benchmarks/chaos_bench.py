@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from beeswarm.client.local import LocalPipeline
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import Child, LocalSwarm, budgets, threads_per_process
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel, checkpoint
+from local_pipeline import LocalPipeline
 
 SNIPPETS = [
     "def fibonacci(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",

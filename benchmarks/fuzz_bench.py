@@ -37,8 +37,8 @@ from beeswarm.p2p.probe import Prober  # noqa: E402
 from beeswarm.protocol import ids  # noqa: E402
 from beeswarm.protocol.coordinator import Stage  # noqa: E402
 from beeswarm.shard import EntryModel, Span, SpanRuntime  # noqa: E402
-from beeswarm.shard.tiny import write_tiny_checkpoint  # noqa: E402
 from helpers import reference_greedy  # noqa: E402
+from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 LAYERS = 8

@@ -35,13 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import report  # noqa: E402
 
-from beeswarm.client.local import LocalPipeline
 from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.local import LocalSwarm, threads_per_process
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from emulated import EmulatedSwarm  # noqa: E402
+from local_pipeline import LocalPipeline
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -118,7 +118,7 @@ WIDE = {"hidden_size": 2048, "num_layers": 3, "heads": 16, "kv_heads": 4, "inter
 def wide_model() -> str:
     """The `wide` benchmark model (random weights, 2048 wide, 3 layers), written once to the cache."""
     from beeswarm.config import cache_dir
-    from beeswarm.shard.tiny import write_tiny_checkpoint
+    from tiny_checkpoints import write_tiny_checkpoint
 
     folder = cache_dir() / "bench-models" / "wide-2048x3"
     if not (folder / "config.json").exists():

@@ -33,11 +33,11 @@ from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.session import Open, Opened
 from beeswarm.protocol.step import Result, Step
 from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
-from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.decode import speculative_generate
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tuner import Tuner
 from helpers import reference_greedy, start_contributors, wait_for
+from tiny_checkpoints import write_tiny_checkpoint
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
 PROMPTS = ([5, 6, 7], [100, 3, 250, 17, 9, 1, 42])

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from beeswarm.client.local import LocalPipeline
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import ModelDefaults, SamplingParams, probabilities
 from beeswarm.protocol.spans import even_splits
 from beeswarm.shard import checkpoint
 from helpers import alive, in_terminal, reference_greedy, wait_for
+from local_pipeline import LocalPipeline
 
 
 def beeswarm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

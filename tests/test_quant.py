@@ -18,8 +18,8 @@ from beeswarm.coordinator.cluster import Cluster, Entry, NodeSpec, Workload, sta
 from beeswarm.coordinator.planner import PlanError, plan
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel, ShardError, Span, SpanRuntime, benchmark, quant
-from beeswarm.shard.tiny import write_tiny_checkpoint
 from helpers import lines_of, read_until, start_contributors, wait_for
+from tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from beeswarm.shard import EntryModel, SessionError, ShardError, Span, SpanRuntime, StepInput, benchmark, checkpoint
 from beeswarm.shard.families import SUPPORTED
-from beeswarm.shard.tiny import write_tiny_checkpoint
+from tiny_checkpoints import write_tiny_checkpoint
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
 FAMILIES = sorted(SUPPORTED)  # every supported family (conftest makes each)

@@ -9,10 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from beeswarm.client.local import LocalPipeline
 from beeswarm.decoding.generate import generate
 from beeswarm.decoding.sampling import SamplingParams, penalize, probabilities
-from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec import decode
 from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftError, DraftModel
@@ -29,6 +27,8 @@ from beeswarm.spec.tuner import (
     rate,
 )
 from beeswarm.spec.verify import Verdict, verify
+from local_pipeline import LocalPipeline
+from tiny_checkpoints import write_tiny_checkpoint
 
 PROMPT = [5, 100, 200, 33, 7, 9]
 GREEDY = SamplingParams()

@@ -17,10 +17,10 @@ from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import budgets
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel
-from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tuner import Tuner
 from helpers import alive, lines_of, read_until, reference_greedy, start_contributors, wait_for
+from tiny_checkpoints import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 

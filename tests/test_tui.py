@@ -13,13 +13,13 @@ from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import LocalSwarm
 from beeswarm.decoding.sampling import SamplingParams
 from beeswarm.shard import EntryModel
-from beeswarm.shard.tiny import write_tiny_checkpoint
 from beeswarm.spec.draft import DraftModel
 from beeswarm.tui.chat_app import ChatApp
 from beeswarm.tui.widgets.status_bar import StatusBar
 from beeswarm.tui.widgets.swarm_panel import SwarmPanel
 from beeswarm.tui.widgets.transcript import Transcript
 from helpers import LOCAL, threads_left, until
+from tiny_checkpoints import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
