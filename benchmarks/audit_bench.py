@@ -36,8 +36,8 @@ from beeswarm.client.remote import Inbox, RemotePipeline
 from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.local import LocalSwarm, threads_per_process
 from beeswarm.contributor.stage import StageServer
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p import identity
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.protocol import encode

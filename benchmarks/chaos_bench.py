@@ -39,8 +39,8 @@ import torch
 
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import Child, LocalSwarm, budgets, threads_per_process
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel, checkpoint
 from local_pipeline import LocalPipeline
 

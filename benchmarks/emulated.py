@@ -12,7 +12,7 @@ import time
 
 from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.local import LocalSwarm
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel, checkpoint
 from beeswarm.shard.loader import load_config
 from linkemu import EmulatorProcess

@@ -27,8 +27,8 @@ import hostile  # noqa: E402
 
 from beeswarm.client.remote import Inbox, RemotePipeline  # noqa: E402
 from beeswarm.contributor.stage import StageServer  # noqa: E402
-from beeswarm.decoding.generate import generate  # noqa: E402
-from beeswarm.decoding.sampling import SamplingParams  # noqa: E402
+from beeswarm.generation.generate import generate  # noqa: E402
+from beeswarm.generation.sampling import SamplingParams  # noqa: E402
 from beeswarm.p2p import identity  # noqa: E402
 from beeswarm.p2p.bans import BanList  # noqa: E402
 from beeswarm.p2p.membership import Membership, NodeInfo  # noqa: E402

@@ -35,7 +35,7 @@ from train_tinycode import read, stdlib_files  # noqa: E402
 
 from beeswarm.client.swarm import ClientOptions  # noqa: E402
 from beeswarm.contributor.local import threads_per_process  # noqa: E402
-from beeswarm.decoding.sampling import SamplingParams  # noqa: E402
+from beeswarm.generation.sampling import SamplingParams  # noqa: E402
 from beeswarm.spec.draft import DraftModel  # noqa: E402
 from beeswarm.spec.tuner import MAX_IN_FLIGHT, Tuner  # noqa: E402
 from emulated import EmulatedSwarm  # noqa: E402

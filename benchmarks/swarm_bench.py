@@ -37,8 +37,8 @@ import report  # noqa: E402
 
 from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.local import LocalSwarm, threads_per_process
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from emulated import EmulatedSwarm  # noqa: E402
 from local_pipeline import LocalPipeline

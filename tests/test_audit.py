@@ -24,8 +24,8 @@ from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps, StageFailed
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.stage import StageServer
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import ProtocolError, RemoteError, encode, ids
 from beeswarm.protocol.audit import Evidence, Reveal, Revealed
@@ -33,8 +33,8 @@ from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.session import Open, Opened
 from beeswarm.protocol.step import Result, Step
 from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
-from beeswarm.spec.decode import speculative_generate
 from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.speculate import speculative_generate
 from beeswarm.spec.tuner import Tuner
 from helpers import reference_greedy, start_contributors, wait_for
 from tiny_checkpoints import write_tiny_checkpoint

@@ -19,7 +19,7 @@ from textual.widgets import Sparkline
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.process import Contributor, ContributorOptions
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p.identity import ephemeral
 from beeswarm.protocol.coordinator import stages_of
 from beeswarm.shard import EntryModel

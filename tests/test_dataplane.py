@@ -10,8 +10,8 @@ import torch
 
 from beeswarm.client.remote import Inbox, RemotePipeline, StageBusy, StageFailed
 from beeswarm.contributor.stage import StageServer
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.protocol import encode, ids
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.step import Keep, Step

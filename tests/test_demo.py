@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import ModelDefaults, SamplingParams, probabilities
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import ModelDefaults, SamplingParams, probabilities
 from beeswarm.protocol.spans import even_splits
 from beeswarm.shard import checkpoint
 from helpers import alive, in_terminal, reference_greedy, wait_for

@@ -24,8 +24,8 @@ from beeswarm.client.remote import Inbox, RemotePipeline
 from beeswarm.contributor.stage import StageServer
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.service import CoordinatorService
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p.bans import STRIKES_PER_BAN, BanList
 from beeswarm.p2p.errors import NodeFailed
 from beeswarm.p2p.probe import Prober

@@ -16,7 +16,7 @@ from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.process import model_shape
 from beeswarm.coordinator.cluster import Cluster, Entry, NodeSpec, Workload, stage_ms
 from beeswarm.coordinator.planner import PlanError, plan
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel, ShardError, Span, SpanRuntime, benchmark, quant
 from helpers import lines_of, read_until, start_contributors, wait_for
 from tiny_checkpoints import write_tiny_checkpoint

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from beeswarm.decoding.generate import generate
-from beeswarm.decoding.sampling import SamplingParams, penalize, probabilities
-from beeswarm.spec import decode
-from beeswarm.spec.decode import SpecReport, speculative_generate
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams, penalize, probabilities
+from beeswarm.spec import speculate
 from beeswarm.spec.draft import DraftError, DraftModel
+from beeswarm.spec.speculate import SpecReport, speculative_generate
 from beeswarm.spec.tree import ROOT, DraftTree, grow_tree
 from beeswarm.spec.tuner import (
     MAX_DEPTH,
@@ -259,7 +259,7 @@ def test_calibration_says_how_often_the_target_takes_a_candidate():
     assert calibration.chance(0.5, 0) == pytest.approx(0.5)  # another bin: nothing judged there
 
 
-class CountingTarget(decode.Eager):
+class CountingTarget(speculate.Eager):
     """A synchronous target that counts the steps sent and not collected yet."""
 
     def __init__(self, forward):
@@ -313,17 +313,17 @@ def test_a_pipelined_fresh_tree_sends_its_first_levels_ahead_and_the_places_are_
     the_draft = draft(tinycode)
     the_draft.reset(400)
     tuner = Tuner(depth=5, width=2, in_flight=3)
-    spec = decode._Speculation(decode.Eager(forward), the_draft, GREEDY, tuner, None, PROMPT + [first], len(PROMPT),
-                               400, 3, SpecReport(), lambda token: True)
+    spec = speculate._Speculation(speculate.Eager(forward), the_draft, GREEDY, tuner, None, PROMPT + [first],
+                                  len(PROMPT), 400, 3, SpecReport(), lambda token: True)
     spec.fill()
     (ahead, rest, _continuation), tree = spec.flight, spec.tree  # three in flight, as pinned
     tinycode.close(session)
 
     def below(node: int) -> int:
         return tree.depths[node] - tree.depths[spec.at]
-    assert ahead.rows[0] == spec.at and max(map(below, ahead.rows)) == decode.FRESH_AHEAD
+    assert ahead.rows[0] == spec.at and max(map(below, ahead.rows)) == speculate.FRESH_AHEAD
     assert len(ahead.rows) <= 1 + 2 + 4
-    leaves = [n for n in ahead.rows if below(n) == decode.FRESH_AHEAD]
+    leaves = [n for n in ahead.rows if below(n) == speculate.FRESH_AHEAD]
     assert len(leaves) == 4
     assert {below(n) for n in rest.rows} == {3, 4, 5}
     assert {tree.parents[n] for n in rest.rows if below(n) == 3} == set(leaves)
@@ -335,7 +335,7 @@ def test_a_pipelined_fresh_tree_sends_its_first_levels_ahead_and_the_places_are_
         children = tree.children(node)
         if node not in tree.dists:
             places.append(p)
-        elif len(tree.candidates[node]) < decode.MAX_CANDIDATES and tree.untried(node) is not None:
+        elif len(tree.candidates[node]) < speculate.MAX_CANDIDATES and tree.untried(node) is not None:
             places.append(p * chance(tree.untried(node)[1], len(children)))
         stack += [(c, p * chance(*spec.drafted[c])) for c in children if c in spec.slots]
 
@@ -442,7 +442,7 @@ def test_pipelined_sampling_leaves_the_target_distribution(tiny_models, exact, m
     first drawn from the prompt's logits, two through pipelined steps) follow the target exactly, and a
     wrong rule is caught."""
     if not exact:
-        monkeypatch.setattr(decode, "judge", wrong_judge)
+        monkeypatch.setattr(speculate, "judge", wrong_judge)
     target, draft_table = tiny_models
     params = SamplingParams(temperature=0.9, top_p=0.9)
     generator = torch.Generator().manual_seed(3)

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from beeswarm.coordinator.health import report
+from beeswarm.commands.status import render
+from beeswarm.coordinator.swarm_report import report
 from beeswarm.protocol.coordinator import Pipeline, PlanState, Stage
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
@@ -50,7 +51,7 @@ def test_coverage_replicas_and_a_gap_from_what_members_announce():
     assert data["spans"][0] == {"start": 0, "end": 4, "replicas": 2, "nodes": [A, C]}
     assert data["plan"]["active"][0]["stages"][2] == {"node": D, "start": 8, "end": 16, "offload_fraction": 0.0}
     assert data["coordinator"] == A and data["term"] == 2 and data["epoch"] == 3
-    plain, colored = "\n".join(r.lines()), "\n".join(r.lines(color=True))
+    plain, colored = "\n".join(render(r)), "\n".join(render(r, color=True))
     assert "GAP" in plain and "\033[" not in plain
     assert "\033[31m  [12, 16)" in colored and colored.count("\033[31m") == 2  # the gap and the summary
 
@@ -61,7 +62,7 @@ def test_paused_and_leaving_members_do_not_cover_and_a_full_swarm_is_complete():
     r = report(view, {}, plan([(A, Span(0, 2)), (B, Span(2, 4))]))
     assert r.complete and r.coverage == (1, 1, 1, 1)
     assert r.coordinator == A and (r.term, r.epoch) == (2, 3)  # no lease heard: the plan's author stands in
-    assert "complete" in "\n".join(r.lines())
+    assert "complete" in "\n".join(render(r))
 
 
 def test_without_a_plan_the_layers_come_from_the_members():
@@ -69,7 +70,7 @@ def test_without_a_plan_the_layers_come_from_the_members():
     assert r.plan is None and r.coordinator is None and r.num_layers == 8
     assert r.gaps == (Span(3, 5),)
     assert report({}, {}, None).num_layers == 0 and not report({}, {}, None).complete
-    text = "\n".join(report({}, {}, None).lines())
+    text = "\n".join(render(report({}, {}, None)))
     assert "plan: none heard" in text and "coordinator: none heard" in text
 
 
@@ -77,7 +78,7 @@ def test_migration_shows_both_plans():
     p = plan([(A, Span(0, 4))], target=[[(A, Span(0, 2)), (B, Span(2, 4))]])
     r = report({A: member(A, Span(0, 4), Span(0, 2)), B: member(B, Span(2, 4))}, {}, p)
     assert r.as_json()["plan"]["migrating"] is True and r.coverage == (1, 1, 2, 2)
-    text = "\n".join(r.lines())
+    text = "\n".join(render(r))
     assert "migrating" in text and "target 1:" in text
 
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import budgets
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tuner import Tuner

@@ -11,7 +11,7 @@ from beeswarm.audit.auditor import AuditCounts
 from beeswarm.client.chat import ChatSession
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.local import LocalSwarm
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from beeswarm.spec.draft import DraftModel
 from beeswarm.tui.chat_app import ChatApp

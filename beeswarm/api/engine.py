@@ -15,8 +15,8 @@ from beeswarm.client.chat import template_ids
 from beeswarm.client.remote import Route, StageBusy, StageFailed
 from beeswarm.client.swarm import NoRoute, SwarmClient
 from beeswarm.client.textstream import TextStream, stop_ids
-from beeswarm.decoding.generate import EndGeneration
-from beeswarm.decoding.sampling import ModelDefaults, SamplingParams
+from beeswarm.generation.generate import EndGeneration
+from beeswarm.generation.sampling import ModelDefaults, SamplingParams
 
 ROUTE_WAIT_S = 5.0  # how long a request waits for a route before a 503
 

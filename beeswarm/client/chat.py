@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from beeswarm.client.remote import Route
 from beeswarm.client.swarm import SwarmClient, SwarmGeneration
 from beeswarm.client.textstream import TextStream, stop_ids
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.sampling import SamplingParams
 
 
 def template_ids(tokenizer, turns: list[dict[str, str]]) -> list[int]:

@@ -85,7 +85,7 @@ class Inbox:
 
 @dataclass
 class SessionSteps:
-    """One session of a push pipeline as a speculation target (`spec.decode.Target`)."""
+    """One session of a push pipeline as a speculation target (`spec.speculate.Target`)."""
 
     pipe: RemotePipeline
     session: str

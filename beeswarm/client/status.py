@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from beeswarm.coordinator.cluster import ModelShape
-from beeswarm.coordinator.health import StatusReport, report
 from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.coordinator.swarm_report import StatusReport, report
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig

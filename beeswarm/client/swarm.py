@@ -22,8 +22,8 @@ from beeswarm.audit.auditor import AuditCounts, Auditor
 from beeswarm.client.remote import Inbox, RemotePipeline, Route, SessionSteps, StageBusy, StageFailed
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.service import CoordinatorService
-from beeswarm.decoding.generate import EndGeneration, Generation, generate, new_generator
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.generate import EndGeneration, Generation, generate, new_generator
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
@@ -33,8 +33,8 @@ from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
 from beeswarm.shard.entry import EntryModel
 from beeswarm.shard.span import SpanRuntime
-from beeswarm.spec.decode import SpecReport, speculative_generate
 from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.speculate import SpecReport, speculative_generate
 from beeswarm.spec.tuner import MAX_IN_FLIGHT, MAX_TREE_NODES, Tuner
 
 log = logging.getLogger(__name__)

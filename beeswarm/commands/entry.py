@@ -31,7 +31,7 @@ def speculation(args, entry):
 
 def sampling(args, entry):
     """The flags, or where a flag is not given the model's generation config (e.g. tinycode's tuned values)."""
-    from beeswarm.decoding.sampling import ModelDefaults
+    from beeswarm.generation.sampling import ModelDefaults
 
     try:
         return ModelDefaults.read(entry.folder).sampling(0.0 if args.greedy else args.temperature, args.top_p,

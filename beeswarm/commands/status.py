@@ -5,9 +5,14 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from beeswarm.commands import options
 from beeswarm.commands.common import UserError, required_join, swarm_secret
+from beeswarm.coordinator.swarm_report import StatusReport
+from beeswarm.protocol.coordinator import Pipeline
+
+RED, RESET = "\033[31m", "\033[0m"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -26,8 +31,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """The swarm at a glance: join as a client, listen until the plan is heard (or --wait), print, leave."""
-    import time
-
     from beeswarm.client.status import SwarmObserver, Unreachable
     from beeswarm.p2p.errors import NodeError
 
@@ -46,7 +49,7 @@ def run(args) -> int:
             else:
                 if args.watch and color:
                     print("\033[H\033[2J", end="")  # redraw in place
-                print("\n".join(report.lines(color)), flush=True)
+                print("\n".join(render(report, color)), flush=True)
             if not args.watch:
                 return 0
             if not args.json and not color:
@@ -60,3 +63,63 @@ def run(args) -> int:
         return 0 if args.watch else 130
     finally:
         observer.close()
+
+
+def render(report: StatusReport, color: bool = False) -> list[str]:
+    """The report for people; `color`: gaps in red (for a terminal)."""
+    red = (lambda text: f"{RED}{text}{RESET}") if color else (lambda text: text)  # noqa: E731
+    contributors = sum(m.role == "contributor" for m in report.members)
+    clients = len(report.members) - contributors
+    out = [f"members: {len(report.members)} ({contributors} contributor{'s' * (contributors != 1)}, "
+           f"{clients} client{'s' * (clients != 1)})"]
+    if report.coordinator:
+        out.append(f"coordinator: {report.coordinator}  term {report.term}  epoch {report.epoch}")
+    else:
+        out.append("coordinator: none heard")
+    out.append("")
+    out.append(f"  {'peer':<14} {'role':<11} {'state':<8} {'layers':<18} {'device':<8} {'tok/s':>7} "
+               f"{'busy':>5} {'heartbeat':>10}")
+    for m in report.members:
+        layers = " ".join(str(s) for s in m.spans) or "-"
+        mark = "*" if m.coordinator else " "
+        out.append(f"{mark} {short(m.peer):<14} {m.role:<11} {m.state:<8} {layers:<18} {m.device:<8} "
+                   f"{m.tokens_per_s:>7.1f} {m.busy:>5.0%} {m.heartbeat_age_s:>7.1f} s")
+    out.append("")
+    if not report.num_layers:
+        out.append("coverage: unknown (no plan heard and no member serves a span)")
+    else:
+        summary = "complete" if report.complete else red(f"{sum(len(g) for g in report.gaps)} layer(s) unserved")
+        out.append(f"coverage of {report.num_layers} layers: {summary}")
+        for s in report.segments:
+            if s.nodes:
+                names = ", ".join(short(n) for n in s.nodes)
+                out.append(f"  {str(s.span):<12} {s.replicas} replica{'s' if s.replicas > 1 else ''}: {names}")
+            else:
+                out.append(red(f"  {str(s.span):<12} GAP: no member serves these layers"))
+    out.append("")
+    if report.plan is None:
+        out.append("plan: none heard")
+        return out
+    p = report.plan
+    out.append(f"plan: term {p.term} epoch {p.epoch} by {short(p.coordinator)}, objective {p.objective}"
+               f"{f', {p.quant} weights' if p.quant != 'none' else ''}{', migrating' if p.migrating() else ''}")
+    out += [f"  active {line}" for line in _pipeline_lines(p.active)]
+    if p.migrating():
+        out += [f"  target {line}" for line in _pipeline_lines(p.target)]
+    else:
+        out.append("  target = active")
+    out += [red(f"  excluded {short(e.node)} until {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.until))}: "
+                f"{e.reason}") if e.until else f"  left out {short(e.node)}: {e.reason}" for e in p.excluded]
+    return out
+
+
+def short(peer: str) -> str:
+    """A peer id shortened for tables: its last 8 characters (what differs between ids)."""
+    return f"…{peer[-8:]}" if len(peer) > 9 else peer
+
+
+def _pipeline_lines(pipelines: tuple[Pipeline, ...]) -> list[str]:
+    if not pipelines:
+        return ["(none)"]
+    return [f"{i + 1}: " + " -> ".join(f"{short(s.node)} {s.span}" for s in p.stages) +
+            f"  ({p.tokens_per_s:.1f} tok/s planned)" for i, p in enumerate(pipelines)]

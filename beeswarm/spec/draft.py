@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from beeswarm.decoding.sampling import SamplingParams
+from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel, Span, SpanRuntime, checkpoint
 from beeswarm.shard.errors import ShardError
 from beeswarm.shard.loader import load_config

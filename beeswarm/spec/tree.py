@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, probabilities
+from beeswarm.generation.sampling import SamplingParams, Seen, penalize, probabilities
 from beeswarm.spec.tuner import TreeShape
 
 ROOT = -1

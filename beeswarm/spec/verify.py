@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.decoding.sampling import SamplingParams, probabilities
+from beeswarm.generation.sampling import SamplingParams, probabilities
 from beeswarm.spec.tree import ROOT, DraftTree
 
 # node (ROOT: the last committed token) -> the target's logits for the token after it

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from beeswarm.decoding.sampling import SamplingParams, Seen, sample
+from beeswarm.generation.sampling import SamplingParams, Seen, sample
 
 # (new token ids (q,), start position) -> logits (q, vocab) for those tokens
 Forward = Callable[[torch.Tensor, int], torch.Tensor]

@@ -1,13 +1,12 @@
 """The swarm at a glance, as plain data: members, layer coverage and replicas, the coordinator and plans.
 
 `beeswarm status` fills a `StatusReport` from what a client hears on the mesh (the membership view
-with each member's last heartbeat, the followed plan, the coordinator's lease) and prints it as a
-table or JSON. Pure: no networking, no torch.
+with each member's last heartbeat, the followed plan, the coordinator's lease) and prints it as JSON
+or as a table (`commands/status.py` renders it). Pure: no networking, no torch.
 """
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,6 @@ from beeswarm.protocol.coordinator import Pipeline, PlanState, assignments
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
 
-RED, RESET = "\033[31m", "\033[0m"
 NOT_SERVING = ("leaving", "paused")  # a paused node keeps its span for the sessions it has, but leaves the plans
 
 
@@ -93,70 +91,11 @@ class StatusReport:
                              for e in self.plan.excluded]},
         }
 
-    def lines(self, color: bool = False) -> list[str]:
-        """The report for people; `color`: gaps in red (for a terminal)."""
-        red = (lambda text: f"{RED}{text}{RESET}") if color else (lambda text: text)  # noqa: E731
-        contributors = sum(m.role == "contributor" for m in self.members)
-        clients = len(self.members) - contributors
-        out = [f"members: {len(self.members)} ({contributors} contributor{'s' * (contributors != 1)}, "
-               f"{clients} client{'s' * (clients != 1)})"]
-        if self.coordinator:
-            out.append(f"coordinator: {self.coordinator}  term {self.term}  epoch {self.epoch}")
-        else:
-            out.append("coordinator: none heard")
-        out.append("")
-        out.append(f"  {'peer':<14} {'role':<11} {'state':<8} {'layers':<18} {'device':<8} {'tok/s':>7} "
-                   f"{'busy':>5} {'heartbeat':>10}")
-        for m in self.members:
-            layers = " ".join(str(s) for s in m.spans) or "-"
-            mark = "*" if m.coordinator else " "
-            out.append(f"{mark} {short(m.peer):<14} {m.role:<11} {m.state:<8} {layers:<18} {m.device:<8} "
-                       f"{m.tokens_per_s:>7.1f} {m.busy:>5.0%} {m.heartbeat_age_s:>7.1f} s")
-        out.append("")
-        if not self.num_layers:
-            out.append("coverage: unknown (no plan heard and no member serves a span)")
-        else:
-            summary = "complete" if self.complete else red(f"{sum(len(g) for g in self.gaps)} layer(s) unserved")
-            out.append(f"coverage of {self.num_layers} layers: {summary}")
-            for s in self.segments:
-                if s.nodes:
-                    names = ", ".join(short(n) for n in s.nodes)
-                    out.append(f"  {str(s.span):<12} {s.replicas} replica{'s' if s.replicas > 1 else ''}: {names}")
-                else:
-                    out.append(red(f"  {str(s.span):<12} GAP: no member serves these layers"))
-        out.append("")
-        if self.plan is None:
-            out.append("plan: none heard")
-            return out
-        p = self.plan
-        out.append(f"plan: term {p.term} epoch {p.epoch} by {short(p.coordinator)}, objective {p.objective}"
-                   f"{f', {p.quant} weights' if p.quant != 'none' else ''}{', migrating' if p.migrating() else ''}")
-        out += [f"  active {line}" for line in _pipeline_lines(p.active)]
-        if p.migrating():
-            out += [f"  target {line}" for line in _pipeline_lines(p.target)]
-        else:
-            out.append("  target = active")
-        out += [red(f"  excluded {short(e.node)} until {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.until))}: "
-                    f"{e.reason}") if e.until else f"  left out {short(e.node)}: {e.reason}" for e in p.excluded]
-        return out
-
-
-def short(peer: str) -> str:
-    """A peer id shortened for tables: its last 8 characters (what differs between ids)."""
-    return f"…{peer[-8:]}" if len(peer) > 9 else peer
-
 
 def _pipeline_json(p: Pipeline) -> dict[str, Any]:
     return {"stages": [{"node": s.node, "start": s.span.start, "end": s.span.end,
                         "offload_fraction": s.offload_fraction} for s in p.stages],
             "micro_batches": p.micro_batches, "step_ms": p.step_ms, "tokens_per_s": p.tokens_per_s}
-
-
-def _pipeline_lines(pipelines: tuple[Pipeline, ...]) -> list[str]:
-    if not pipelines:
-        return ["(none)"]
-    return [f"{i + 1}: " + " -> ".join(f"{short(s.node)} {s.span}" for s in p.stages) +
-            f"  ({p.tokens_per_s:.1f} tok/s planned)" for i, p in enumerate(pipelines)]
 
 
 def _segments(num_layers: int, serving: Mapping[str, tuple[Span, ...]]) -> tuple[Segment, ...]:

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-from beeswarm.decoding.generate import Generation
-from beeswarm.decoding.sampling import SamplingParams, Seen, penalize, sample
+from beeswarm.generation.generate import Generation
+from beeswarm.generation.sampling import SamplingParams, Seen, penalize, sample
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tree import MAX_CANDIDATES, ROOT, DraftTree
 from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, MIN_RING_S, CostMeter, Plan, TreeShape, Tuner
