@@ -66,7 +66,6 @@ class Scenario:
     app: DashboardApp
     pilot: Pilot
     before: set  # the threads that were running before the contributor started
-    failures: int  # the session's failed tests when the scenario started
     children: dict[str, tuple[subprocess.Popen, str]] = field(default_factory=dict)  # name -> (process, peer)
 
     @property
@@ -85,10 +84,9 @@ class Scenario:
             proc.wait(20)
 
 
-@pytest_asyncio.fixture(scope="class", loop_scope="class")
-async def scenario(tiny_llama, tmp_path_factory, request):
-    """A real contributor (benchmark, p2p node, coordinator) in a running DashboardApp: started once for
-    the steps of `TestDashboard`, which share it (and their event loop), in order."""
+@pytest_asyncio.fixture
+async def scenario(tiny_llama, tmp_path_factory):
+    """A real contributor (benchmark, p2p node, coordinator) in a running DashboardApp."""
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.INFO)  # what `contribute` logs on its dashboard
@@ -101,8 +99,7 @@ async def scenario(tiny_llama, tmp_path_factory, request):
     state = None
     try:
         async with app.run_test(size=(140, 50)) as pilot:
-            state = Scenario(tiny_llama, tmp_path_factory.mktemp("dashboard"), half, contributor, app, pilot, before,
-                             request.session.testsfailed)
+            state = Scenario(tiny_llama, tmp_path_factory.mktemp("dashboard"), half, contributor, app, pilot, before)
             yield state
     finally:
         contributor.stop()
@@ -111,101 +108,100 @@ async def scenario(tiny_llama, tmp_path_factory, request):
         root.setLevel(level)
 
 
-@pytest.fixture
-def dash(scenario, request) -> Scenario:
-    """The scenario for its next step; each step builds on the ones before, so once one has failed the rest
-    are skipped (run the whole class, not one step alone)."""
-    if request.session.testsfailed > scenario.failures:
-        pytest.skip("an earlier step of the dashboard scenario failed")
-    return scenario
+async def step_the_node_starts_benchmarks_and_shows_its_identity(dash: Scenario) -> None:
+    app, pilot = dash.app, dash.pilot
+    await until(pilot, lambda: dash.contributor.ready, what="the node to start")
+    await until(pilot, lambda: any(r.progress.key == "bench" and r.progress.finished
+                                   for r in app.query(PhaseRow)), what="the benchmark's finished bar")
+    assert dash.me in str(app.query_one("#identity").render())
+
+async def step_a_second_node_is_planned_in_and_shown_serving_with_its_rtt(dash: Scenario) -> None:
+    # A second node holding half the model: the plan needs both; the table shows both serving.
+    app, pilot, me = dash.app, dash.pilot, dash.me
+    peer_b = dash.spawn("b")
+    await until(pilot, lambda: len(table(app)) == 2 and all(r[-1] == "serving" for r in table(app).values()),
+                what="both nodes serving")
+    assert table(app)[me[-8:]][2] != "-" and table(app)[peer_b[-8:]][2] != "-"  # layers shown
+    await until(pilot, lambda: any(k.startswith("probe ") and p.finished for k, p in
+                                   ((r.progress.key, r.progress) for r in app.query(PhaseRow))),
+                what="a finished link probe bar")
+    await until(pilot, lambda: table(app)[peer_b[-8:]][5] != "-", what="the RTT to the other node")
+
+async def step_traffic_shows_in_the_serving_figures(dash: Scenario) -> None:
+    # Traffic through the swarm shows in the serving figures (generated beside the app's loop).
+    app, pilot, contributor = dash.app, dash.pilot, dash.contributor
+
+    def generate() -> None:
+        client = SwarmClient.create(EntryModel(dash.model, "float32", "cpu"), [contributor.node.addrs[0]],
+                                    interval=1.0, listen=LOCAL).start()
+        try:
+            client.generate([3, 14, 15, 92], 12, SamplingParams())
+        finally:
+            client.close()
+
+    await asyncio.to_thread(generate)
+    served = contributor.status().serving
+    assert served.tokens >= 12 and served.raw_out > 0 and served.wire_out > 0
+    await until(pilot, lambda: f"tokens {served.tokens}" in str(app.query_one("#serving-figures").render()),
+                what="the served tokens on screen")
+    assert "compression" in str(app.query_one("#serving-figures").render())
+    assert any("loading layers" in line for line in app.query_one(LogPanel).lines)
+    await until(pilot, lambda: max(app.query_one(Sparkline).data, default=0) > 0,
+                what="tokens/s in the sparkline")
+
+async def step_p_pauses_the_node_out_of_the_plan_and_resumes_it(dash: Scenario) -> None:
+    # p: paused; the coordinator plans a third node in instead of this one.
+    app, pilot, contributor, me = dash.app, dash.pilot, dash.contributor, dash.me
+    peer_c = dash.spawn("c")
+    await until(pilot, lambda: peer_c[-8:] in table(app), what="the third node")
+    await pilot.press("p")
+    await until(pilot, lambda: table(app)[me[-8:]][-1] == "paused", what="the paused state")
+    await until(pilot, lambda: contributor.coordinator.state.target and not in_plan(contributor, me)
+                and in_plan(contributor, peer_c), what="a plan around the paused node")
+    await until(pilot, lambda: table(app)[me[-8:]][2] == "-", what="the span given up")
+    await pilot.press("p")
+    await until(pilot, lambda: table(app)[me[-8:]][-1] in ("idle", "loading", "serving"), what="resuming")
+
+async def step_a_node_leaving_disappears_from_the_table(dash: Scenario) -> None:
+    b, peer_b = dash.children["b"]
+    b.terminate()
+    assert b.wait(20) == 0, (dash.folder / "b" / "stderr.log").read_text()[-3000:]
+    await until(dash.pilot, lambda: peer_b[-8:] not in table(dash.app), what="the departed node's row to go")
+
+async def step_b_measures_the_device_again(dash: Scenario) -> None:
+    # b measures the device again and publishes the new figures.
+    app, pilot = dash.app, dash.pilot
+    pressed = time.monotonic()
+    await pilot.press("b")
+    await until(pilot, lambda: any("re-benchmarked" in line for line in app.query_one(LogPanel).lines),
+                what="the second benchmark")
+    bench = next(p for p in dash.contributor.status().progress if p.key == "bench")
+    assert bench.started >= pressed and bench.finished  # measured again, not read from the cache
+
+async def step_help_then_q_leaves_the_swarm_and_ends_the_app(dash: Scenario) -> None:
+    # ? shows help; q leaves the swarm and the app ends by itself once the contributor is gone.
+    app, pilot = dash.app, dash.pilot
+    await pilot.press("question_mark")
+    assert "leave the swarm" in str(app.screen.query_one("#help").query("Static").first().render())
+    await pilot.press("escape")
+    await pilot.press("q")
+    await until(pilot, lambda: not app.is_running, timeout=20, what="the app to quit")
+    assert dash.contributor.stopped.is_set() and app.failure is None
+    dash.stop_children()  # their output readers are the test's threads, not the app's
+    # polled off the loop, which the app's own shutdown still needs
+    assert not (left := await asyncio.to_thread(threads_left, dash.before)), f"threads left behind: {left}"
 
 
-@pytest.mark.asyncio(loop_scope="class")
-class TestDashboard:
-    """The contribute dashboard follows its node serving, pausing, a node leaving, a re-benchmark and leaving."""
-
-    async def test_the_node_starts_benchmarks_and_shows_its_identity(self, dash):
-        app, pilot = dash.app, dash.pilot
-        await until(pilot, lambda: dash.contributor.ready, what="the node to start")
-        await until(pilot, lambda: any(r.progress.key == "bench" and r.progress.finished
-                                       for r in app.query(PhaseRow)), what="the benchmark's finished bar")
-        assert dash.me in str(app.query_one("#identity").render())
-
-    async def test_a_second_node_is_planned_in_and_shown_serving_with_its_rtt(self, dash):
-        # A second node holding half the model: the plan needs both; the table shows both serving.
-        app, pilot, me = dash.app, dash.pilot, dash.me
-        peer_b = dash.spawn("b")
-        await until(pilot, lambda: len(table(app)) == 2 and all(r[-1] == "serving" for r in table(app).values()),
-                    what="both nodes serving")
-        assert table(app)[me[-8:]][2] != "-" and table(app)[peer_b[-8:]][2] != "-"  # layers shown
-        await until(pilot, lambda: any(k.startswith("probe ") and p.finished for k, p in
-                                       ((r.progress.key, r.progress) for r in app.query(PhaseRow))),
-                    what="a finished link probe bar")
-        await until(pilot, lambda: table(app)[peer_b[-8:]][5] != "-", what="the RTT to the other node")
-
-    async def test_traffic_shows_in_the_serving_figures(self, dash):
-        # Traffic through the swarm shows in the serving figures (generated beside the app's loop).
-        app, pilot, contributor = dash.app, dash.pilot, dash.contributor
-
-        def generate() -> None:
-            client = SwarmClient.create(EntryModel(dash.model, "float32", "cpu"), [contributor.node.addrs[0]],
-                                        interval=1.0, listen=LOCAL).start()
-            try:
-                client.generate([3, 14, 15, 92], 12, SamplingParams())
-            finally:
-                client.close()
-
-        await asyncio.to_thread(generate)
-        served = contributor.status().serving
-        assert served.tokens >= 12 and served.raw_out > 0 and served.wire_out > 0
-        await until(pilot, lambda: f"tokens {served.tokens}" in str(app.query_one("#serving-figures").render()),
-                    what="the served tokens on screen")
-        assert "compression" in str(app.query_one("#serving-figures").render())
-        assert any("loading layers" in line for line in app.query_one(LogPanel).lines)
-        await until(pilot, lambda: max(app.query_one(Sparkline).data, default=0) > 0,
-                    what="tokens/s in the sparkline")
-
-    async def test_p_pauses_the_node_out_of_the_plan_and_resumes_it(self, dash):
-        # p: paused; the coordinator plans a third node in instead of this one.
-        app, pilot, contributor, me = dash.app, dash.pilot, dash.contributor, dash.me
-        peer_c = dash.spawn("c")
-        await until(pilot, lambda: peer_c[-8:] in table(app), what="the third node")
-        await pilot.press("p")
-        await until(pilot, lambda: table(app)[me[-8:]][-1] == "paused", what="the paused state")
-        await until(pilot, lambda: contributor.coordinator.state.target and not in_plan(contributor, me)
-                    and in_plan(contributor, peer_c), what="a plan around the paused node")
-        await until(pilot, lambda: table(app)[me[-8:]][2] == "-", what="the span given up")
-        await pilot.press("p")
-        await until(pilot, lambda: table(app)[me[-8:]][-1] in ("idle", "loading", "serving"), what="resuming")
-
-    async def test_a_node_leaving_disappears_from_the_table(self, dash):
-        b, peer_b = dash.children["b"]
-        b.terminate()
-        assert b.wait(20) == 0, (dash.folder / "b" / "stderr.log").read_text()[-3000:]
-        await until(dash.pilot, lambda: peer_b[-8:] not in table(dash.app), what="the departed node's row to go")
-
-    async def test_b_measures_the_device_again(self, dash):
-        # b measures the device again and publishes the new figures.
-        app, pilot = dash.app, dash.pilot
-        pressed = time.monotonic()
-        await pilot.press("b")
-        await until(pilot, lambda: any("re-benchmarked" in line for line in app.query_one(LogPanel).lines),
-                    what="the second benchmark")
-        bench = next(p for p in dash.contributor.status().progress if p.key == "bench")
-        assert bench.started >= pressed and bench.finished  # measured again, not read from the cache
-
-    async def test_help_then_q_leaves_the_swarm_and_ends_the_app(self, dash):
-        # ? shows help; q leaves the swarm and the app ends by itself once the contributor is gone.
-        app, pilot = dash.app, dash.pilot
-        await pilot.press("question_mark")
-        assert "leave the swarm" in str(app.screen.query_one("#help").query("Static").first().render())
-        await pilot.press("escape")
-        await pilot.press("q")
-        await until(pilot, lambda: not app.is_running, timeout=20, what="the app to quit")
-        assert dash.contributor.stopped.is_set() and app.failure is None
-        dash.stop_children()  # their output readers are the test's threads, not the app's
-        # polled off the loop, which the app's own shutdown still needs
-        assert not (left := await asyncio.to_thread(threads_left, dash.before)), f"threads left behind: {left}"
+async def test_the_dashboard_follows_its_node_serving_pausing_a_node_leaving_a_rebench_and_leaving(scenario):
+    """One scenario, its steps in order (each builds on the ones before), in one test."""
+    for step in (step_the_node_starts_benchmarks_and_shows_its_identity,
+                 step_a_second_node_is_planned_in_and_shown_serving_with_its_rtt,
+                 step_traffic_shows_in_the_serving_figures,
+                 step_p_pauses_the_node_out_of_the_plan_and_resumes_it,
+                 step_a_node_leaving_disappears_from_the_table,
+                 step_b_measures_the_device_again,
+                 step_help_then_q_leaves_the_swarm_and_ends_the_app):
+        await step(scenario)
 
 
 @pytest.fixture
