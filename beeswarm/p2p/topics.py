@@ -23,10 +23,13 @@ GOSSIPSUB = TProtocol("/meshsub/1.0.0")
 
 def new_pubsub(host: Any) -> tuple[Pubsub, GossipSub]:
     """Pubsub over gossipsub: rate limits well above our heartbeat rate; no IP diversity rule (localhost peers
-    share one IP)."""
+    share one IP). No "adaptive gossip": py-libp2p 0.8.1 rates a mesh below its target degree as poor health
+    and then sets the heartbeat to 30-60 s whatever was configured (a 3-node swarm went from 1 s to 60 s
+    after 30 s), so a peer's message cache spanned minutes and a newcomer's first gossip replayed them in
+    one burst, over the 50-a-second limit ("Rate limit exceeded" at contributors that joined under churn)."""
     router = GossipSub(protocols=[GOSSIPSUB], degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
                        heartbeat_initial_delay=0.1, eclipse_protection_enabled=False,
-                       max_messages_per_topic_per_second=50.0)
+                       max_messages_per_topic_per_second=50.0, adaptive_gossip_enabled=False)
     return Pubsub(host, router, max_inbound_rpc_size=CONTROL_LIMIT * 4), router
 
 
