@@ -2,8 +2,8 @@
 """Membership at scale: messages per second per node as the swarm grows, and a soak of real processes.
 
 In-process (default): for each size, N p2p nodes on 127.0.0.1 in this process (each in its own trio
-thread), each with membership and a coordinator service that takes part in the election but has
-nothing to plan (no model, no benchmark figures), as in tests/test_mesh.py. Once every view holds
+thread), each with membership and a coordinator (with its plan follower) that takes part in the election
+but has nothing to plan (no model, no benchmark figures), as in tests/test_mesh.py. Once every view holds
 N - 1 members and all agree on one coordinator, it runs `--seconds` and reports per node per
 second: heartbeats received and sent, and from gossipsub itself (counted by wrapping the router of
 each node) the copies of pubsub messages received (duplicates included), the messages forwarded
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beeswarm.coordinator.cluster import ModelShape
-from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.coordinator.follower import PlanFollower
+from beeswarm.coordinator.service import Coordinator
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import TARGET_BEATS_PER_S, Membership
 from beeswarm.p2p.node import Node, NodeConfig
@@ -113,7 +114,7 @@ def per_node(values: list[float]) -> dict:
 def mesh_size(n: int, seconds: float, converge_timeout: float, count: bool = True) -> dict:
     nodes: list[Node] = []
     members: dict[Node, Membership] = {}
-    coords: dict[Node, CoordinatorService] = {}
+    coords: dict[Node, Coordinator] = {}
     counts: dict[Node, PubsubCounts] = {}
     t0, cpu0 = time.monotonic(), time.process_time()
     try:
@@ -122,7 +123,7 @@ def mesh_size(n: int, seconds: float, converge_timeout: float, count: bool = Tru
             node = Node(me, NodeConfig(listen=LOCAL, bootstrap=[nodes[0].addrs[0]] if nodes else []))
             members[node] = Membership(node, NodeInfo(peer=me.peer_id), interval=INTERVAL)
             members[node].start()
-            coords[node] = CoordinatorService(node, members[node], MODEL, interval=INTERVAL)
+            coords[node] = Coordinator(PlanFollower(node, members[node], interval=INTERVAL), MODEL)
             coords[node].start()
             node.start()
             counts[node] = count_pubsub(node) if count else PubsubCounts()
@@ -239,17 +240,14 @@ def log_events(logs: Path, since: datetime.datetime) -> dict:
 
 
 class Observer:
-    """A client's view of the swarm: membership and a non-eligible coordinator service, with what it hears."""
+    """A client's view of the swarm: membership and a plan follower, with what it hears."""
 
-    def __init__(self, model: str, bootstrap: str):
-        from beeswarm.contributor.process import model_shape
-
+    def __init__(self, bootstrap: str):
         me = identity.ephemeral()
         self.node = Node(me, NodeConfig(listen=LOCAL, bootstrap=[bootstrap]))
         self.members = Membership(self.node, NodeInfo(peer=me.peer_id, role="client", state="serving"),
                                   interval=INTERVAL)
-        self.coordinator = CoordinatorService(self.node, self.members, model_shape(model), interval=INTERVAL,
-                                              eligible=False)
+        self.coordinator = PlanFollower(self.node, self.members, interval=INTERVAL)
         self.beats: Counter[str] = Counter()  # heartbeats per author
         self.periods: dict[str, float] = {}
         self.lease_beats: deque[tuple[float, str, int]] = deque()  # (when, author, term)
@@ -303,7 +301,7 @@ def processes(n: int, seconds: float, model: str) -> dict:
             time.sleep(0.1)
         for i in range(1, n):
             swarm.children.append(swarm._spawn(i, layer, first.addr))
-        observer = Observer(model, first.addr).start()
+        observer = Observer(first.addr).start()
         peers_up = lambda: sum(c.peer is not None for c in swarm.children)  # noqa: E731
         deadline = time.monotonic() + 600
         while len(observer.members.view()) < n or observer.coordinator.lease is None:

@@ -33,21 +33,22 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 # --- a worker: K nodes in this process ------------------------------------------------------------
 def worker(nodes: int, bootstrap: str | None, interval: float) -> None:
     from beeswarm.coordinator.cluster import ModelShape
-    from beeswarm.coordinator.service import CoordinatorService
+    from beeswarm.coordinator.follower import PlanFollower
+    from beeswarm.coordinator.service import Coordinator
     from beeswarm.p2p import identity
     from beeswarm.p2p.membership import Membership
     from beeswarm.p2p.node import Node, NodeConfig
     from beeswarm.protocol.membership import NodeInfo
 
     model = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
-    made: list[tuple[Node, Membership, CoordinatorService]] = []
+    made: list[tuple[Node, Membership, Coordinator]] = []
     for _ in range(nodes):
         me = identity.ephemeral()
         boot = bootstrap or (made[0][0].addrs[0] if made else None)
         node = Node(me, NodeConfig(listen=LOCAL, bootstrap=[boot] if boot else []))
         members = Membership(node, NodeInfo(peer=me.peer_id, role="contributor", state="idle"), interval=interval)
         members.start()
-        coordinator = CoordinatorService(node, members, model, interval=interval)
+        coordinator = Coordinator(PlanFollower(node, members, interval=interval), model)
         coordinator.start()
         node.start()
         made.append((node, members, coordinator))

@@ -10,9 +10,10 @@ import pytest
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.election import Election, Lease
+from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.service import (
     REPUBLISH_BEATS,
-    CoordinatorService,
+    Coordinator,
     cluster_from_members,
     next_assignment,
     pipelines_tokens_per_s,
@@ -35,7 +36,7 @@ def contributor_info(peer):
 @pytest.fixture
 def contributors(mesh):
     def setup(node):
-        node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
+        node.coord = Coordinator(PlanFollower(node, node.members, interval=INTERVAL), MODEL)
         node.coord.start()
 
     def make(n: int, bootstrap: str | None = None):
@@ -72,7 +73,7 @@ def test_election_failover_and_plans(contributors):
     forged = PlanState(term=leader.coord.lease.term, epoch=10_000, coordinator=follower.peer_id)
     follower.publish(follower.topic("coordinator"), plans.sign(follower.identity.key_pair, forged))
     others = [n for n in nodes if n is not follower and not n.coord.is_leader]
-    wait_for(lambda: all(n.coord.ignored_plans > 0 for n in others), 5, "the forged plan to be ignored")
+    wait_for(lambda: all(n.coord.follower.ignored_plans > 0 for n in others), 5, "the forged plan to be ignored")
     assert all(n.coord.state.epoch < 10_000 for n in nodes)
 
     # Kill the coordinator: a new one within 3 intervals + 1 s, with a higher term.
@@ -89,9 +90,10 @@ def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator
     wait_for(lambda: agreed(first) and first[0].coord.state.epoch >= 1, 8, "a first plan")
 
     def deaf_to_plans(node):  # hears lease beats, never a plan's gossip
-        node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
-        hear = node.coord._on_message
-        node.coord._on_message = lambda author, msg: None if isinstance(msg, SignedPlan) else hear(author, msg)
+        follower = PlanFollower(node, node.members, interval=INTERVAL)
+        hear = follower._on_message
+        follower._on_message = lambda author, msg: None if isinstance(msg, SignedPlan) else hear(author, msg)
+        node.coord = Coordinator(follower, MODEL)
         node.coord.start()
 
     (deaf,) = mesh(1, bootstrap=[first[0].addrs[0]], info=contributor_info, setup=deaf_to_plans)
@@ -99,7 +101,7 @@ def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator
     wait_for(lambda: deaf.coord.state.epoch >= 1 and not leader.coord._dirty and
              (deaf.coord.state.term, deaf.coord.state.epoch) == (leader.coord.state.term, leader.coord.state.epoch),
              6 * INTERVAL + 5, "the deaf follower to hold the coordinator's current plan")
-    assert deaf.coord.pulled_plans >= 1
+    assert deaf.coord.follower.pulled_plans >= 1
 
 
 def test_a_newcomer_deaf_to_gossip_learns_the_swarm_and_its_coordinator_from_its_bootstrap(contributors, mesh):
@@ -113,7 +115,7 @@ def test_a_newcomer_deaf_to_gossip_learns_the_swarm_and_its_coordinator_from_its
 
     def deaf(node):  # subscribes to nothing: no heartbeat, lease beat or plan ever reaches it over gossip
         node.subscribe = lambda topic, messages, callback: None
-        node.coord = CoordinatorService(node, node.members, MODEL, interval=INTERVAL)
+        node.coord = Coordinator(PlanFollower(node, node.members, interval=INTERVAL), MODEL)
         node.coord.start()
 
     (newcomer,) = mesh(1, bootstrap=[bootstrap.addrs[0]], info=contributor_info, setup=deaf)
@@ -312,11 +314,11 @@ def test_a_lease_lost_while_planning_is_a_normal_case_not_a_crash():
 
     def planner_that_loses_the_lease(cluster):
         result = real_plan(cluster)
-        service.election.observe(Lease(service.election.current.term + 1, "someone-else"))
+        service.follower.election.observe(Lease(service.follower.election.current.term + 1, "someone-else"))
         return result
 
-    service = CoordinatorService(node, members, MODEL, interval=1.0, planner=planner_that_loses_the_lease)
-    service.election.observe(Lease(1, me.peer_id))
+    service = Coordinator(PlanFollower(node, members, interval=1.0), MODEL, planner=planner_that_loses_the_lease)
+    service.follower.election.observe(Lease(1, me.peer_id))
     assert service.is_leader
     view = {p: NodeInfo(peer=p, memory_bytes=10**9, state="serving",
                         bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.0}) for p in ("A", "B")}
@@ -328,7 +330,7 @@ def test_a_join_storm_gives_a_few_plans_not_one_per_arrival(contributors):
     first = contributors(3)  # enough memory between them for the model
     wait_for(lambda: agreed(first) and first[0].coord.state.epoch >= 1, 8, "a first plan")
     plans_seen: list[tuple[int, int]] = []
-    first[1].coord.listeners.append(lambda state: plans_seen.append((state.term, state.epoch)))
+    first[1].coord.follower.listeners.append(lambda state: plans_seen.append((state.term, state.epoch)))
     storm = []
     # one arrival every ~0.3 s, faster than the coordinator's settle time; 8 nodes in all, what membership over
     # gossip holds in one process on a loaded machine (11 did not settle in 15 s while CI built the bundle)

@@ -23,7 +23,8 @@ from beeswarm.audit.evidence import judge
 from beeswarm.client.remote import Inbox, RemotePipeline
 from beeswarm.contributor.stage import StageServer
 from beeswarm.coordinator.cluster import ModelShape
-from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.coordinator.follower import PlanFollower
+from beeswarm.coordinator.service import Coordinator
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p.bans import STRIKES_PER_BAN, BanList
@@ -226,8 +227,8 @@ def test_every_protocol_survives_a_barrage_and_generation_through_it_stays_exact
     (target,) = mesh(1, setup=hardened_relay)  # with membership: subscribed to the swarm's topics
     server = StageServer(target, SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")).start()
     layers = functools.lru_cache(maxsize=4)(lambda span: SpanRuntime(tiny_llama, span, "float32", "cpu"))
-    CoordinatorService(target, target.members, ModelShape(8, 64, 0, 0), interval=1.0,
-                       judge=functools.partial(judge, runtime_for=layers)).start()  # takes evidence
+    Coordinator(PlanFollower(target, target.members, interval=1.0), ModelShape(8, 64, 0, 0),
+                judge=functools.partial(judge, runtime_for=layers)).start()  # takes evidence
     Inbox(target).start()
     Prober(target).start()
     (evil,) = mesh(1, members=False, bootstrap=[])

@@ -1,14 +1,13 @@
 """`beeswarm status`: join a swarm as a client, listen for a few seconds, report, leave.
 
-No model and no torch: the observer is a client-role node with membership and a non-eligible
-coordinator service (it follows the signed plans, it never plans), the parts `SwarmClient` uses.
+No model and no torch: the observer is a client-role node with membership and a plan follower (it
+follows the signed plans, it never plans), the parts `SwarmClient` uses.
 """
 from __future__ import annotations
 
 import time
 
-from beeswarm.coordinator.cluster import ModelShape
-from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.swarm_report import StatusReport, report
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership
@@ -16,7 +15,6 @@ from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.protocol.coordinator import assignments
 from beeswarm.protocol.membership import NodeInfo
 
-PLACEHOLDER_SHAPE = ModelShape(1, 1, 0, 0)  # a non-eligible coordinator never plans: the shape is never read
 # Right after joining, gossipsub hands a newcomer the last few seconds of messages it missed (IHAVE/IWANT),
 # in no particular order: a member's older heartbeat ("loading", no spans) can arrive after its newest.
 # A member's info is trusted once a heartbeat of it arrived this long after the start.
@@ -30,7 +28,7 @@ class Unreachable(Exception):
 class SwarmObserver:
     """Nothing starts until `start()`; `close()` announces the leave and stops the node."""
 
-    def __init__(self, node: Node, members: Membership, coordinator: CoordinatorService):
+    def __init__(self, node: Node, members: Membership, coordinator: PlanFollower):
         self.node, self.members, self.coordinator = node, members, coordinator
         self.started = members.clock()
 
@@ -40,7 +38,7 @@ class SwarmObserver:
         me = identity.ephemeral()
         node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], bootstrap=bootstrap, secret=secret))
         members = Membership(node, NodeInfo(peer=me.peer_id, role="client", state="serving"), interval=interval)
-        coordinator = CoordinatorService(node, members, PLACEHOLDER_SHAPE, interval=interval, eligible=False)
+        coordinator = PlanFollower(node, members, interval=interval)
         return cls(node, members, coordinator)
 
     def start(self) -> SwarmObserver:

@@ -20,8 +20,7 @@ from beeswarm import codec
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.auditor import AuditCounts, Auditor
 from beeswarm.client.remote import Inbox, RemotePipeline, Route, SessionSteps, StageBusy, StageFailed
-from beeswarm.coordinator.cluster import ModelShape
-from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.generation.generate import EndGeneration, Generation, generate, new_generator
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p import identity
@@ -203,10 +202,10 @@ class ClientOptions:
 class SwarmClient:
     """Generation through the swarm. Its parts are injected; `create` builds them; `start()` starts the node."""
 
-    def __init__(self, entry: EntryModel, node: Node, members: Membership, coordinator: CoordinatorService,
+    def __init__(self, entry: EntryModel, node: Node, members: Membership, coordinator: PlanFollower,
                  options: ClientOptions | None = None, draft: DraftModel | None = None, tuner: Tuner | None = None):
-        """`draft`: speculate with it (None: one token per pass); `tuner` keeps its acceptance figures
-        across generations."""
+        """`coordinator`: the coordinator as this client follows it (its lease and plans); `draft`: speculate
+        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations."""
         self.entry, self.node, self.members, self.coordinator = entry, node, members, coordinator
         self.options = options or ClientOptions()
         self.draft, self.tuner = draft, tuner or Tuner()
@@ -257,9 +256,7 @@ class SwarmClient:
         node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], announce=announce or [],
                                    bootstrap=bootstrap, secret=secret))
         members = Membership(node, NodeInfo(peer=me.peer_id, role="client", state="serving"), interval=interval)
-        config = entry.config
-        shape = ModelShape(config.num_hidden_layers, config.hidden_size, 0, 0)  # a client never plans
-        coordinator = CoordinatorService(node, members, shape, interval=interval, eligible=False)
+        coordinator = PlanFollower(node, members, interval=interval)  # a client follows plans, never makes them
         return cls(entry, node, members, coordinator, options, draft, tuner)
 
     def start(self) -> SwarmClient:

@@ -1,6 +1,7 @@
 """`beeswarm contribute`: join a swarm, benchmark, take part in the election, load and serve a span.
 
-Composition only: p2p (node, membership, probes), coordinator (election, plans), shard (benchmark,
+Composition only: p2p (node, membership, probes), coordinator (the plan follower and the coordinator
+that leads it: election, plans, judging evidence), shard (benchmark,
 span runtime) and the stage server. The span comes from the coordinator's plan: when the plan's
 target gives this node a new span, it is loaded in the background while the old one keeps serving
 (make-before-break), then announced in the heartbeat so the coordinator can make it active.
@@ -30,7 +31,8 @@ from beeswarm.contributor.status import (
     ShardFigures,
 )
 from beeswarm.coordinator.cluster import ModelShape, Workload
-from beeswarm.coordinator.service import CoordinatorService
+from beeswarm.coordinator.follower import PlanFollower
+from beeswarm.coordinator.service import Coordinator, Judge
 from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
@@ -87,13 +89,14 @@ class Contributor:
     """`run()` serves until `stop()`; `status()` (with each start-up phase's progress), `pause()`,
     `resume()` and `rebench()` may be called from any thread meanwhile (the dashboard does).
 
-    Its parts are injected (`create` builds them); nothing starts before `run()`."""
+    Its parts are injected (`create` builds them); nothing starts before `run()`. `lead` makes the coordinator
+    this node runs, given the judge it lends it (which recomputes spans with this contributor's layers)."""
 
     def __init__(self, identity: Identity, options: ContributorOptions, node: Node, members: Membership,
-                 coordinator: CoordinatorService, prober: Prober,
+                 lead: Callable[[Judge], Coordinator], prober: Prober,
                  say: Callable[[Event], None] = lambda event: print(event.text)):
         self.identity, self.options, self.say = identity, options, say
-        self.node, self.members, self.coordinator, self.prober = node, members, coordinator, prober
+        self.node, self.members, self.prober = node, members, prober
         self.stopping = threading.Event()
         self.stopped = threading.Event()
         self.server: StageServer | None = None
@@ -111,6 +114,9 @@ class Contributor:
         self._benching = threading.Lock()
         self._workers: list[threading.Thread] = []  # span loads and re-benchmarks, joined when leaving
         self._judging: SpanRuntime | None = None  # a span loaded to check evidence with
+        self.coordinator = lead(functools.partial(evidence.judge, runtime_for=self._audit_runtime,
+                                                  max_bytes=node.config.max_tensor_bytes,
+                                                  ask_reveal=self._ask_reveal))
 
     @classmethod
     def create(cls, identity: Identity, options: ContributorOptions,
@@ -120,13 +126,10 @@ class Contributor:
                                          relays=o.relays))
         members = Membership(node, NodeInfo(peer=identity.peer_id, role="contributor", state="idle", quant=o.quant),
                              interval=o.interval)
-        coordinator = CoordinatorService(node, members, model_shape(o.model, o.device, o.dtype, o.quant),
-                                         Workload(context_tokens=o.context_tokens), interval=o.interval)
-        contributor = cls(identity, options, node, members, coordinator, Prober(node), say)
-        coordinator.judge = functools.partial(evidence.judge, runtime_for=contributor._audit_runtime,
-                                              max_bytes=node.config.max_tensor_bytes,
-                                              ask_reveal=contributor._ask_reveal)
-        return contributor
+        follower = PlanFollower(node, members, interval=o.interval)
+        shape, workload = model_shape(o.model, o.device, o.dtype, o.quant), Workload(context_tokens=o.context_tokens)
+        return cls(identity, options, node, members,
+                   lambda judge: Coordinator(follower, shape, workload, judge=judge), Prober(node), say)
 
     def _ask_reveal(self, stage: str, entry: str, session: str, step: int) -> Revealed:
         """As the coordinator judging `entry`'s word that `stage` refused it: ask `stage` ourselves."""
@@ -168,7 +171,7 @@ class Contributor:
         except Leaving:
             return
         self.members.update(device=figures.device, memory_bytes=self.memory, bench=self._bench_info(figures))
-        self.coordinator.listeners.append(self._on_plan)
+        self.coordinator.follower.listeners.append(self._on_plan)
         self.members.start()
         self.coordinator.start()
         self.prober.start()
@@ -388,7 +391,7 @@ class Contributor:
                 self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
                                           link_rate=self._link_rate,
                                           fault=Fault.from_env(runtime.folder, runtime.hidden_size),
-                                          coordinator=self.coordinator.leader).start()
+                                          coordinator=self.coordinator.follower.leader).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.span, self._loading, self.offload_fraction = span, None, offload_fraction

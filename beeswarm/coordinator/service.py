@@ -1,19 +1,22 @@
-"""The coordinator role on the mesh: run the election, and while leading, plan and publish signed plans.
+"""The coordinator on the mesh: only an eligible contributor runs one. It stands for the lease of the
+`PlanFollower` it leads, and while leading it plans, publishes signed plans, re-plans, and judges evidence.
 
-Every contributor runs this. Contributors put their benchmark figures and link probes in their
-membership heartbeats; the leader turns the membership view into a cluster description, plans it,
-and publishes the plan signed with its node key. Re-planning keeps the current plan unless the new
-one is better by `replan_threshold`, and migrations are make-before-break: a changed plan is first
-published as a `target` while clients keep routing over the `active` one; it becomes active once
-every node of the target announces its new span loaded.
+Contributors put their benchmark figures and link probes in their membership heartbeats; the leader
+turns the membership view into a cluster description, plans it, and publishes the plan signed with
+its node key. Re-planning keeps the current plan unless the new one is better by `replan_threshold`,
+and migrations are make-before-break: a changed plan is first published as a `target` while clients
+keep routing over the `active` one; it becomes active once every node of the target announces its
+new span loaded.
 
 Churn is damped: a membership change re-plans once the view has been quiet for SETTLE_BEATS
 intervals (or after MAX_WAIT_BEATS at the latest), so a join storm gives a few epochs, not one per
 arrival; a new epoch is published only when the assignments change. Members that join get the
 current signed plan again (the same epoch, at most once per settle), and it is repeated every
-REPUBLISH_BEATS intervals. Gossip may still drop it (a loaded mesh drops messages outside a node's
-mesh links), so a follower whose lease beats show a newer epoch than it holds for two beats in a
-row asks the coordinator for the plan directly (`ids.PLAN`).
+REPUBLISH_BEATS intervals; a follower that still missed it asks for it (`ids.PLAN`, answered here).
+
+Evidence (`ids.EVIDENCE`) goes to the judge given to the constructor (it recomputes spans, so it is
+injected: this package imports no torch); an upheld accusation keeps its node out of plans for
+SENTENCE_S, and the coordinators after this one keep the sentences a plan names.
 """
 from __future__ import annotations
 
@@ -29,13 +32,10 @@ import trio
 
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
-from beeswarm.coordinator.election import Election, Lease
+from beeswarm.coordinator.election import Lease
+from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.planner import Plan, PlanError, plan
-from beeswarm.p2p.errors import NodeError, PeerUnavailable
-from beeswarm.p2p.membership import Membership
-from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, ids
 from beeswarm.protocol.audit import Evidence, Verdict
 from beeswarm.protocol.coordinator import (
     Exclusion,
@@ -46,16 +46,15 @@ from beeswarm.protocol.coordinator import (
     SignedPlan,
     assignments,
 )
-from beeswarm.protocol.membership import NodeInfo, View
+from beeswarm.protocol.membership import NodeInfo
 
 if TYPE_CHECKING:  # the judge recomputes spans (torch): a node without one never imports it
     from beeswarm.audit.evidence import Judgement
 
 log = logging.getLogger(__name__)
 
-_messages: Decoder[LeaseBeat | SignedPlan] = Decoder(LeaseBeat, SignedPlan)
 _plan_requests: Decoder[PlanRequest] = Decoder(PlanRequest)
-_plan_replies = reply_decoder(SignedPlan)
+Judge = Callable[[Evidence], "Judgement"]  # checks evidence: recomputes spans (contributors inject it)
 SETTLE_BEATS = 1.0
 MAX_WAIT_BEATS = 4.0
 REPUBLISH_BEATS = 10.0
@@ -133,83 +132,56 @@ def next_assignment(cluster: Cluster, new: tuple[Pipeline, ...], new_tokens_per_
     return active, target
 
 
-class CoordinatorService:
-    """Nothing starts until `start()`; `clock` (monotonic seconds) is injectable for tests."""
+class Coordinator:
+    """Leads the `PlanFollower` it is given (whose election it ticks, with the candidates): nothing starts
+    until `start()`, which starts the follower too.
 
-    def __init__(self, node: Node, members: Membership, model: ModelShape, workload: Workload | None = None,
-                 interval: float = 3.0, eligible: bool = True, replan_threshold: float = 0.10,
-                 clock: Callable[[], float] = time.monotonic, planner: Callable[[Cluster], Plan] = plan,
-                 judge: Callable[[Evidence], Judgement] | None = None):
-        """`judge`: checks evidence sent to this node while it leads (None: it takes none; clients)."""
-        self.node, self.members, self.model, self.clock, self.planner = node, members, model, clock, planner
-        self.judge = judge
-        self.sentences: dict[str, Exclusion] = {}  # nodes kept out of plans by upheld evidence
+    `model`: the shape planned for; `judge`: checks evidence sent to this node while it leads (None: it takes
+    none); `planner`: injectable for tests."""
+
+    def __init__(self, follower: PlanFollower, model: ModelShape, workload: Workload | None = None,
+                 eligible: bool = True, replan_threshold: float = 0.10, planner: Callable[[Cluster], Plan] = plan,
+                 judge: Judge | None = None):
+        self.follower, self.model, self.planner, self._judge = follower, model, planner, judge
+        self.node, self.members, self.interval, self.clock = follower.node, follower.members, follower.interval, \
+            follower.clock
         self.workload = workload or Workload()
-        self.interval, self.replan_threshold, self.eligible = interval, replan_threshold, eligible
-        self.election = Election(node.peer_id, interval, eligible, clock, founder=not node.config.bootstrap)
-        self.state = PlanState()
-        self.listeners: list[Callable[[PlanState], None]] = []
-        self.ignored_plans = 0
-        self._lock = threading.Lock()
+        self.replan_threshold, self.eligible = replan_threshold, eligible
+        self.sentences: dict[str, Exclusion] = {}  # nodes kept out of plans by upheld evidence
+        self._lock = threading.Lock()  # the sentences: judged in a worker thread
         self._dirty, self._dirty_since, self._last_change = True, 0.0, 0.0
         self._last_beat = 0.0
         self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
         self._republish_at = 0.0
         # what the last planning ran on
         self._planned_input: tuple[Cluster, int, int, frozenset[str], tuple[Exclusion, ...]] | None = None
-        self._behind: int | None = None  # the term of the last lease beat whose epoch this node lacked
-        self.pulled_plans = 0
 
     def start(self) -> None:
-        self.members.lease = self._lease  # members beat to the coordinator once there is one
-        self.members.wanted = self._plan_nodes  # and keep links to the plan's stages
-        self.members.on_view.append(self._on_view)
-        self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
+        self.follower.listen()  # this coordinator ticks its election
         self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
-        if self.judge is not None:
+        if self._judge is not None:
             self.node.serve(ids.EVIDENCE, self._on_evidence, Decoder(Evidence, limit=self.node.config.max_tensor_bytes))
         self.members.listeners.append(self._on_member)
         self.node.add_task(self._loop)
 
-    def _on_member(self, event: str, info: NodeInfo) -> None:
-        self.mark_dirty()
-        if event == "join":
-            with self._lock:
-                self.election.joined()
-        if event == "join":  # the newcomer needs the current plan: send it again soon
-            self._republish_at = min(self._republish_at, self.clock() + SETTLE_BEATS * self.interval)
-
-    def _on_view(self, peer: str, view: View) -> None:
-        """A member answered this node's beat. The coordinator's own answer is as good as its lease beat
-        (however late gossip brings those); a newcomer told that the swarm has one waits for it."""
-        with self._lock:
-            if view.coordinator == peer:
-                lease = self.election.current
-                epoch = lease.epoch if lease is not None and (lease.term, lease.leader) == (view.term, peer) else 0
-                self.election.observe(Lease(view.term, peer, epoch))
-            elif view.coordinator is not None:
-                self.election.told()
-
-    def _lease(self) -> tuple[str, int] | None:
-        lease = self.election.current
-        return (lease.leader, lease.term) if lease else None
-
-    def _plan_nodes(self) -> set[str]:
-        state = self.state
-        return {s.node for p in state.active + state.target for s in p.stages}
-
-    def leader(self) -> str | None:
-        """The coordinator this node follows (itself while leading), or None."""
-        lease = self.election.current
-        return lease.leader if lease else None
+    # what it leads: the follower's -----------------------------------------------------------
+    @property
+    def state(self) -> PlanState:
+        """The plan the swarm follows as this node knows it (its own while it leads)."""
+        return self.follower.state
 
     @property
     def lease(self) -> Lease | None:
-        return self.election.current
+        return self.follower.lease
 
     @property
     def is_leader(self) -> bool:
-        return self.election.is_leader
+        return self.follower.is_leader
+
+    def _on_member(self, event: str, info: NodeInfo) -> None:
+        self.mark_dirty()
+        if event == "join":  # the newcomer needs the current plan: send it again soon
+            self._republish_at = min(self._republish_at, self.clock() + SETTLE_BEATS * self.interval)
 
     def mark_dirty(self) -> None:
         """Re-plan soon (while leading): membership changed, or this node's own figures or state did."""
@@ -223,65 +195,7 @@ class CoordinatorService:
         return self._dirty and (now - self._last_change >= SETTLE_BEATS * self.interval or
                                 now - self._dirty_since >= MAX_WAIT_BEATS * self.interval)
 
-    # messages ---------------------------------------------------------------------------------
-    def _on_message(self, author: str, msg: LeaseBeat | SignedPlan) -> None:
-        if isinstance(msg, LeaseBeat):
-            was_leader = self.is_leader
-            with self._lock:
-                self.election.observe(Lease(msg.term, author, msg.epoch))
-            if was_leader and not self.is_leader:
-                log.info("stepping down: %s leads term %d", author, msg.term)
-            self._check_behind(author, msg)
-        else:
-            self._take_plan(author, msg)
-
-    def _take_plan(self, author: str, msg: SignedPlan) -> None:
-        signed = plans.verify(msg, author)  # ProtocolError (bad form or signature) strikes the author
-        lease = self.election.current
-        if (signed.term, signed.epoch) == (self.state.term, self.state.epoch) and \
-                signed.coordinator == self.state.coordinator:
-            return  # the plan this node follows, sent again for newcomers
-        if lease is None or signed.coordinator != lease.leader or signed.term != lease.term or \
-                not self._newer(signed.term, signed.epoch, signed.coordinator):
-            self.ignored_plans += 1
-            log.info("ignoring plan %d/%d from %s (following %s)", signed.term, signed.epoch, author, lease)
-            return
-        self._apply(signed)
-
-    def _newer(self, term: int, epoch: int, coordinator: str) -> bool:
-        """Is (term, epoch) of `coordinator`, the leader followed, newer than the plan held? A plan of another
-        coordinator or term is older whatever its numbers: the lease decides whom to follow, even a lower
-        term once the higher one's leader has gone silent."""
-        held = self.state
-        return (held.coordinator, held.term) != (coordinator, term) or epoch > held.epoch
-
-    def _check_behind(self, author: str, beat: LeaseBeat) -> None:
-        """Pull the plan from the coordinator when two beats in a row show an epoch this node lacks (one beat
-        may just have overtaken the plan's gossip)."""
-        lease = self.election.current
-        if lease is None or lease.leader != author or lease.term != beat.term or self.is_leader or \
-                beat.epoch == 0 or not self._newer(beat.term, beat.epoch, author):
-            self._behind = None
-            return
-        if self._behind == beat.term:
-            self.node.spawn(self._pull_plan, author)
-            self._behind = None  # the next pull waits for two more beats
-        else:
-            self._behind = beat.term
-
-    async def _pull_plan(self, coordinator: str) -> None:
-        try:
-            signed = await self.node.requests.request(coordinator, ids.PLAN, encode(PlanRequest()), _plan_replies,
-                                                      timeout=2 * self.interval)
-        except (TimeoutError, PeerUnavailable, NodeError, RemoteError) as e:
-            log.info("could not fetch the current plan from %s: %s", coordinator, e)
-            return
-        self.pulled_plans += 1
-        try:
-            self._take_plan(coordinator, signed)
-        except ProtocolError as e:
-            self.node.strike(coordinator, f"plan: {e}")
-
+    # requests ---------------------------------------------------------------------------------
     async def _serve_plan(self, peer: str, request: PlanRequest) -> Message:
         if self._signed is None or not self.is_leader:
             return ErrorReply(error="this node holds no current plan")
@@ -289,13 +203,13 @@ class CoordinatorService:
 
     def _on_evidence(self, peer: str, evidence: Evidence) -> Message:
         """Judge an accusation (in a worker thread: it may recompute a span) and sentence whom it names."""
-        if not self.is_leader or self.judge is None:
+        if not self.is_leader or self._judge is None:
             return ErrorReply(error="this node is not the coordinator", busy=True)
         if evidence.accuser != peer:
             raise ProtocolError("evidence is taken from its accuser only")
         if peer in self.sentences:
             return ErrorReply(error="this node is excluded: it brings no evidence")
-        judgement = self.judge(evidence)  # ProtocolError (unsigned) strikes the sender
+        judgement = self._judge(evidence)  # ProtocolError (unsigned) strikes the sender
         if not judgement.excluded:
             log.info("evidence against %s not upheld: %s", evidence.accused, judgement.reason)
             return Verdict(excluded="", reason=judgement.reason[:500])
@@ -308,28 +222,22 @@ class CoordinatorService:
         self.mark_dirty()
         return Verdict(excluded=sentence.node, reason=sentence.reason)
 
-    def _apply(self, state: PlanState) -> None:
-        self.state = state
-        self.members.refresh()
-        for listener in list(self.listeners):
-            try:
-                listener(self.state)
-            except Exception:  # noqa: BLE001
-                log.exception("plan listener failed")
-
     # leading ----------------------------------------------------------------------------------
+    def _stand(self) -> Lease | None:
+        """Tick the election as a candidate (while this node may lead); the lease claimed, if it just did."""
+        contributors = {p: info for p, info in self.members.view().items() if info.role == "contributor"}
+        # a node serving weights in another format than the swarm's plan never leads it (nor is deferred to)
+        candidates = {p for p, info in contributors.items() if info.quant == self.model.quant}
+        state = self.state
+        # (unless nobody serves the plan's format any more: then the swarm needs a leader of another)
+        same_format = not state.epoch or state.quant == self.model.quant or not any(
+            info.quant == state.quant for info in contributors.values())
+        return self.follower.tick(candidates, self.eligible and same_format)
+
     async def _loop(self) -> None:
         last_replan = 0.0
         while True:
-            contributors = {p: info for p, info in self.members.view().items() if info.role == "contributor"}
-            # a node serving weights in another format than the swarm's plan never leads it (nor is deferred to)
-            candidates = {p for p, info in contributors.items() if info.quant == self.model.quant}
-            with self._lock:
-                # (unless nobody serves the plan's format any more: then the swarm needs a leader of another)
-                same_format = not self.state.epoch or self.state.quant == self.model.quant or not any(
-                    info.quant == self.state.quant for info in contributors.values())
-                self.election.eligible = self.eligible and same_format
-                claim = self.election.tick(candidates)
+            claim = self._stand()
             if claim is not None:
                 log.info("claimed coordinator lease, term %d", claim.term)
                 self._dirty, self._dirty_since, self._last_change, self._last_beat = True, 0.0, 0.0, 0.0
@@ -337,7 +245,7 @@ class CoordinatorService:
                 with self._lock:  # the sentences of the coordinators before stand
                     self.sentences = {e.node: e for e in self.state.excluded if e.until} | self.sentences
             now = self.clock()
-            lease = self.election.current
+            lease = self.lease
             if lease is not None and self.is_leader:
                 if now - self._last_beat >= self.interval:
                     await self._publish(LeaseBeat(term=lease.term, epoch=lease.epoch))
@@ -387,8 +295,7 @@ class CoordinatorService:
         if (active, target, excluded) == (self.state.active, self.state.target, self.state.excluded) and \
                 self.state.coordinator == self.node.peer_id:
             return  # the same assignments: no new epoch (newcomers get the current plan re-sent)
-        with self._lock:  # the lease may have been lost while planning ran in its thread: re-check
-            lease = self.election.next_epoch() if self.is_leader else None
+        lease = self.follower.next_epoch()  # the lease may have been lost while planning ran in its thread
         if lease is None:
             log.info("lost the lease while planning: the plan is not published")
             return
@@ -398,4 +305,4 @@ class CoordinatorService:
         self._signed = plans.sign(self.node.identity.key_pair, state)
         self._republish_at = self.clock() + REPUBLISH_BEATS * self.interval
         await self._publish(self._signed)
-        self._apply(state)
+        self.follower.apply(state)

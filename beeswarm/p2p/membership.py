@@ -1,12 +1,12 @@
 """Who is in the swarm: heartbeats carrying each node's info, and a view with events.
 
 What grows with the swarm is kept flat per node:
-- Beats to the coordinator: once a node follows a coordinator (`lease()`, from the election) and is
-  connected to it, it beats to it over a request (`ids.MEMBERS`) every interval, sending its info
-  only when it changed, and the answer is the coordinator's view: every live member with the seconds
-  since it was heard, and the info of those that changed since the view this node holds. A node
-  then handles one small message pair per interval whatever the swarm's size; only the coordinator's
-  inbound grows with N.
+- Beats to the coordinator: once a node follows a coordinator (`lease()`, which the plan follower
+  gives with `follow`) and is connected to it, it beats to it over a request (`ids.MEMBERS`) every
+  interval, sending its info only when it changed, and the answer is the coordinator's view: every
+  live member with the seconds since it was heard, and the info of those that changed since the view
+  this node holds. A node then handles one small message pair per interval whatever the swarm's
+  size; only the coordinator's inbound grows with N.
 - Gossip heartbeats, until then (a young swarm, an election, a coordinator out of reach): a node
   beats every `period()` = max(interval, members / TARGET_BEATS_PER_S), so each node receives about
   TARGET_BEATS_PER_S heartbeats a second whatever the swarm's size (gossipsub forwards each one to
@@ -22,9 +22,9 @@ What grows with the swarm is kept flat per node:
   speaks for itself and the coordinator it names, never for others: only the coordinator's answer is
   a view. Its answers also tell the election that it lives (`on_view`), whatever gossip drops.
 - Connections are not a full mesh (N^2 handshakes, ~40 ms of CPU each, would swamp a swarm starting
-  at once): a node keeps links to its coordinator, the members `wanted()` names (the plan's stages)
-  and NEIGHBOURS others for gossip; other links are dialled on demand. Dials back off per
-  unreachable member.
+  at once): a node keeps links to its coordinator, the members `wanted()` names (the plan's stages,
+  also given by `follow`) and NEIGHBOURS others for gossip; other links are dialled on demand. Dials
+  back off per unreachable member.
 """
 from __future__ import annotations
 
@@ -89,8 +89,8 @@ class Membership:
         self._lost: dict[str, float] = {}  # member -> when its connection dropped
         self._dialing: set[str] = set()
         self._dial_after: dict[str, tuple[float, float]] = {}  # member -> (next try, backoff)
-        self.lease: Callable[[], tuple[str, int] | None] = lambda: None  # (coordinator followed, term); set by it
-        self.wanted: Callable[[], Iterable[str]] = lambda: ()  # members to stay connected to (set by it)
+        self._lease: Callable[[], tuple[str, int] | None] = lambda: None  # (coordinator followed, term): `follow`
+        self._wanted: Callable[[], Iterable[str]] = lambda: ()  # members to stay connected to: `follow`
         self.on_view: list[Callable[[str, View], None]] = []  # (the member that answered a beat, its answer)
         self._hint: str | None = None  # the coordinator a member's answer named, until the election names one
         self.views_received = 0
@@ -122,13 +122,18 @@ class Membership:
         self.node.serve(ids.MEMBERS, self._on_beat, _beats)
         self.node.add_task(self._beat)
 
+    def follow(self, lease: Callable[[], tuple[str, int] | None], wanted: Callable[[], Iterable[str]]) -> None:
+        """Beat to the coordinator `lease()` names ((leader, term), or None: none yet) and stay linked to the
+        members `wanted()` names (the plan's stages): what the node's plan follower knows. Until then, neither."""
+        self._lease, self._wanted = lease, wanted
+
     def refresh(self) -> None:
         """Take the coordinator's view now: a new plan names stages whose new spans this view may not hold
         yet (routes wait on them), and the next beat would be up to an interval away."""
         self._refresh = True
 
     def _leader(self) -> str | None:
-        lease = self.lease()
+        lease = self._lease()
         return lease[0] if lease else None
 
     def view(self) -> dict[str, NodeInfo]:
@@ -217,7 +222,7 @@ class Membership:
                 if m is None:
                     return ErrorReply(error="unknown member: send your info", busy=True)
                 self._members[peer] = Member(m.info, now)
-        lease = self.lease()
+        lease = self._lease()
         coordinator, term = lease if lease else (None, 0)
         with self._lock:
             if coordinator != self.node.peer_id:  # not the swarm's view: only whom to ask for it (and where)
@@ -300,7 +305,7 @@ class Membership:
         """Dial the coordinator, the wanted members and NEIGHBOURS others, a few at a time."""
         connected = set(self.node.connected_peers())
         view = self.view()
-        wanted = [p for p in (self._coordinator(), *self.wanted()) if p in view]
+        wanted = [p for p in (self._coordinator(), *self._wanted()) if p in view]
         others = [p for p in view if p not in connected and p not in wanted]
         spare = NEIGHBOURS - len(connected - {*wanted})
         for peer in wanted + random.sample(others, max(0, min(spare, len(others)))):
