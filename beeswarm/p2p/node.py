@@ -54,7 +54,8 @@ class NodeConfig:
     max_tensor_bytes: int = TENSOR_LIMIT
     relays: list[str] = field(default_factory=list)  # reserve a slot on these and announce the relayed address
     relay_service: bool = False  # relay circuits for peers that cannot be dialled
-    forget_every_s: float = 60.0  # how often peers neither connected nor remembered leave the peerstore
+    forget_every_s: float = 60.0  # how often peers neither connected, a bootstrap nor kept leave the peerstore
+
 
 class Node:
     """One beeswarm peer on the libp2p mesh. Nothing starts until `start()`."""
