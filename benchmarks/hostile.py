@@ -297,7 +297,7 @@ def _u32(body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-def _varint(body: bytes) -> bytes:
+def length_prefixed(body: bytes) -> bytes:
     return encode_uvarint(len(body)) + body
 
 
@@ -335,13 +335,13 @@ SPECS: dict[str, Spec] = {
     ids.MEMBERS: Spec(_beat, _u32, _huge_u32),
     ids.AUDIT: Spec(_reveal, _u32, _huge_u32),
     ids.EVIDENCE: Spec(_evidence, _u32, _huge_u32),
-    GOSSIPSUB: Spec(_gossipsub, _varint, _huge_varint),
-    str(IDENTIFY): Spec(_identify, _varint, _huge_varint),
-    str(IDENTIFY_PUSH): Spec(_identify, _varint, _huge_varint),
+    GOSSIPSUB: Spec(_gossipsub, length_prefixed, _huge_varint),
+    str(IDENTIFY): Spec(_identify, length_prefixed, _huge_varint),
+    str(IDENTIFY_PUSH): Spec(_identify, length_prefixed, _huge_varint),
     PING: Spec(_ping, _raw, _huge_raw),
-    str(RELAY_HOP): Spec(_hop, _varint, _huge_varint),
-    str(RELAY_STOP): Spec(_stop, _varint, _huge_varint),
-    MULTISTREAM: Spec(_multistream, _varint, _huge_varint),
+    str(RELAY_HOP): Spec(_hop, length_prefixed, _huge_varint),
+    str(RELAY_STOP): Spec(_stop, length_prefixed, _huge_varint),
+    MULTISTREAM: Spec(_multistream, length_prefixed, _huge_varint),
 }
 
 
@@ -372,7 +372,7 @@ def attempt(protocol: str, rng: random.Random, ctx: Context) -> tuple[str, list[
         return kind, [whole[:rng.randrange(1, len(whole))] if len(whole) > 1 else b""]
     frames = [spec.frame(spec.body(rng, ctx)) for _ in range(rng.choice([1, 1, 2, 3]))]
     if protocol == MULTISTREAM and rng.random() < 0.5:  # a proper greeting first: the junk reaches the protocol choice
-        frames.insert(0, _varint(b"/multistream/1.0.0\n"))
+        frames.insert(0, length_prefixed(b"/multistream/1.0.0\n"))
     if kind == "mutated":
         frames = [_mutate(rng, f) for f in frames]
     return kind, frames

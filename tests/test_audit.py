@@ -68,9 +68,9 @@ def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0):
     for a, b in zip(stages, stages[1:]):
         a.connect(b.addrs[0])
     caught: dict[str, str] = {}
-    auditor = Auditor(entry_node, Layers(folder), rate, on_caught=caught.__setitem__)
-    auditor.sent = []
-    auditor._report = auditor.sent.append
+    sent: list = []
+    auditor = Auditor(entry_node, Layers(folder), rate, on_caught=caught.__setitem__, report=sent.append)
+    auditor.sent = sent
     auditor.caught = caught
     route = tuple(Stage(node=node.peer_id, span=Span(a, b)) for node, (a, b) in zip(stages, SPLITS))
     pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), EntryModel(folder, "float32", "cpu"), route,
@@ -206,16 +206,16 @@ def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh,
                                                       span=Span(3, 5)), reply_decoder(Opened))
     hidden = torch.randn(2, 64)
     step = Step(entry=entry.peer_id, session=session, step=0, start=0, frame=tensors.encode(hidden))
-    pipe._inbox.expect((session, 0))
+    pipe.inbox.expect((session, 0))
     liar.open_channel(stages[1].peer_id, ids.STEP).send(encode(step))
-    got = pipe._inbox.wait((session, 0), 10)
+    got = pipe.inbox.wait((session, 0), 10)
     assert got is not None
     sender, reply, _ = got
     assert sender == stages[1].peer_id and reply.culprit == liar.peer_id and "commitment" in reply.error
     # and an entry takes no result without every stage's commitment
     sent = (commitments.context(0, None, None), commitments.digest(hidden))
     with pytest.raises(StageFailed, match="0 commitments"):
-        pipe._check_commits(session, 0, pipe.route, sent, Result(session=session, step=0, frame=b""), hidden)
+        pipe.check_commits(session, 0, pipe.route, sent, Result(session=session, step=0, frame=b""), hidden)
 
 
 def test_a_stage_keeps_open_sessions_and_drops_ended_ones_oldest_first():

@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,7 +155,7 @@ def test_small_frame_cannot_cause_a_large_allocation():
     # A zstd plane declaring more content than the shape allows.
     arr = np.zeros(4096, np.float32)
     good = bytearray(codec.encode(arr, "float32", arr.shape, layout="zstd"))
-    bomb = frame._compressor().compress(bytes(10_000_000))
+    bomb = zstandard.ZstdCompressor().compress(bytes(10_000_000))
     forged = bytes(good[:16]) + struct.pack("<2I", 4096, len(bomb)) + bomb
     with pytest.raises(CodecError, match="plane"):
         codec.decode(forged)

@@ -89,16 +89,18 @@ def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator
     first = contributors(3)  # enough memory between them for the model
     wait_for(lambda: agreed(first) and first[0].coord.state.epoch >= 1, 8, "a first plan")
 
-    def deaf_to_plans(node):  # hears lease beats, never a plan's gossip
-        follower = PlanFollower(node, node.members, interval=INTERVAL)
-        hear = follower._on_message
-        follower._on_message = lambda author, msg: None if isinstance(msg, SignedPlan) else hear(author, msg)
-        node.coord = Coordinator(follower, MODEL)
+    class DeafToPlans(PlanFollower):  # hears lease beats, never a plan's gossip
+        def on_message(self, author, msg):
+            if not isinstance(msg, SignedPlan):
+                super().on_message(author, msg)
+
+    def deaf_to_plans(node):
+        node.coord = Coordinator(DeafToPlans(node, node.members, interval=INTERVAL), MODEL)
         node.coord.start()
 
     (deaf,) = mesh(1, bootstrap=[first[0].addrs[0]], info=contributor_info, setup=deaf_to_plans)
     leader = next(n for n in first if n.coord.is_leader)
-    wait_for(lambda: deaf.coord.state.epoch >= 1 and not leader.coord._dirty and
+    wait_for(lambda: deaf.coord.state.epoch >= 1 and not leader.coord.replan_pending and
              (deaf.coord.state.term, deaf.coord.state.epoch) == (leader.coord.state.term, leader.coord.state.epoch),
              6 * INTERVAL + 5, "the deaf follower to hold the coordinator's current plan")
     assert deaf.coord.follower.pulled_plans >= 1
@@ -322,7 +324,7 @@ def test_a_lease_lost_while_planning_is_a_normal_case_not_a_crash():
     assert service.is_leader
     view = {p: NodeInfo(peer=p, memory_bytes=10**9, state="serving",
                         bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.0}) for p in ("A", "B")}
-    trio.run(service._plan, cluster_from_members(view, MODEL, Workload()), view)
+    trio.run(service.plan_epoch, cluster_from_members(view, MODEL, Workload()), view)
     assert not service.is_leader and service.state.epoch == 0  # nothing published, nothing raised
 
 

@@ -17,6 +17,7 @@ from textual.pilot import Pilot
 from textual.widgets import Sparkline
 
 from beeswarm.client.swarm import SwarmClient
+from beeswarm.contributor.lifecycle import Phase
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.process import Contributor, ContributorOptions
 from beeswarm.generation.sampling import SamplingParams
@@ -186,7 +187,7 @@ async def step_help_then_q_leaves_the_swarm_and_ends_the_app(dash: Scenario) -> 
     await pilot.press("escape")
     await pilot.press("q")
     await until(pilot, lambda: not app.is_running, timeout=20, what="the app to quit")
-    assert dash.contributor.stopped.is_set() and app.failure is None
+    assert dash.contributor.phase is Phase.STOPPED and app.failure is None
     dash.stop_children()  # their output readers are the test's threads, not the app's
     # polled off the loop, which the app's own shutdown still needs
     assert not (left := await asyncio.to_thread(threads_left, dash.before)), f"threads left behind: {left}"

@@ -21,6 +21,7 @@ from libp2p.pubsub.pb import rpc_pb2
 
 from beeswarm.audit.evidence import judge
 from beeswarm.client.remote import Inbox, RemotePipeline
+from beeswarm.contributor.lifecycle import Phase
 from beeswarm.contributor.stage import StageServer
 from beeswarm.coordinator.cluster import ModelShape
 from beeswarm.coordinator.follower import PlanFollower
@@ -101,7 +102,7 @@ def assert_unharmed(target, good, evil) -> None:
     """The hostile peer was struck until banned; the node kept running and serves the good peer."""
     wait_for(lambda: target.bans.is_banned(evil.peer_id) or target.failure, 10, "the hostile peer to be banned")
     assert target.failure is None, f"the node stopped: {target.failure!r}"
-    assert target._thread.is_alive()
+    assert target.running
     assert good.request(target.peer_id, "/test/hello/1", Hello(n=1), HELLO_REPLIES).n == 2
     assert not target.bans.is_banned(good.peer_id)
 
@@ -120,7 +121,7 @@ def test_a_protocol_name_that_is_not_utf8_does_not_stop_the_node(mesh):
     """UnicodeDecodeError in multistream-select's negotiation, before any protocol handler runs."""
     target, good, evil = target_good_evil(mesh)
     attack_until_banned(target, evil, lambda _: evil.call(send, evil, target.peer_id, hostile.MULTISTREAM,
-                                                          hostile._varint(b"\xff\xfe\n")))
+                                                          hostile.length_prefixed(b"\xff\xfe\n")))
     assert_unharmed(target, good, evil)
 
 
@@ -133,7 +134,7 @@ def test_a_pubsub_message_with_a_key_that_does_not_parse_does_not_stop_the_node(
         rpc = rpc_pb2.RPC()
         rpc.publish.add(from_id=b"\x12\x20" + bytes(32), data=b"x", seqno=i.to_bytes(8, "big"),
                         topicIDs=[target.topic("members")], signature=b"sig", key=b"junk key")
-        evil.call(send, evil, target.peer_id, "/meshsub/1.0.0", hostile._varint(rpc.SerializeToString()))
+        evil.call(send, evil, target.peer_id, "/meshsub/1.0.0", hostile.length_prefixed(rpc.SerializeToString()))
 
     attack_until_banned(target, evil, attack)
     assert_unharmed(target, good, evil)
@@ -167,18 +168,19 @@ def test_a_failing_task_is_restarted_with_backoff_and_a_failing_one_shot_just_en
     assert other.request(node.peer_id, "/test/hello/1", Hello(n=4), HELLO_REPLIES).n == 5
 
 
-async def _crash(node) -> None:
-    async def boom() -> None:
-        raise RuntimeError("injected failure")
+class Uncontained(BaseException):
+    """Not an Exception, so no supervisor catches it: stands for whatever the guards could not contain."""
 
-    node._nursery.start_soon(boom)  # unsupervised: stands for whatever the guards could not contain
+
+async def _boom() -> None:
+    raise Uncontained("injected failure")
 
 
 def test_a_node_whose_loop_ends_on_an_error_reports_it(mesh):
     (node,) = mesh(1, members=False)
     seen: list[BaseException] = []
     node.on_failure.append(seen.append)
-    node.call(_crash, node)
+    node.spawn(_boom)
     wait_for(lambda: seen, 10, "the node to report its failure")
     assert seen == [node.failure]
     with pytest.raises(NodeFailed, match="the p2p node stopped on an error: injected failure"):
@@ -199,7 +201,7 @@ def test_contribute_exits_1_with_one_line_when_its_node_fails(tiny_llama, tmp_pa
 
     def crash_once_serving() -> None:
         wait_for(lambda: made and made[0].ready, 120, "the contributor to start")
-        made[0].node.call(_crash, made[0].node)
+        made[0].node.spawn(_boom)
 
     threading.Thread(target=crash_once_serving, daemon=True).start()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -213,7 +215,7 @@ def test_contribute_exits_1_with_one_line_when_its_node_fails(tiny_llama, tmp_pa
     assert code == 1
     assert err.startswith("beeswarm: error: the p2p node stopped on an error: injected failure")
     assert err.count("\n") == 1  # one line
-    assert made[0].stopped.is_set() and made[0].failure is not None
+    assert made[0].phase is Phase.STOPPED and made[0].failure is not None
 
 
 # the barrage ---------------------------------------------------------------------------------------------
@@ -243,7 +245,7 @@ def test_every_protocol_survives_a_barrage_and_generation_through_it_stays_exact
               f"refused {dict(tally.refused)}; {len(bans.strikes)} strikes")
         short = {p: tally.frames[p] for p in hostile.PROTOCOLS if tally.frames[p] < FRAMES_PER_PROTOCOL}
         assert not short, f"frames that could not be sent: {short} (refused: {dict(tally.refused)})"
-        assert target.failure is None and target._thread.is_alive()
+        assert target.failure is None and target.running
         struck = {reason.split(":")[0] for peer, reason in bans.strikes if peer == evil.peer_id}
         expected = {"/meshsub/1.0.0", "multistream-select", "pubsub message", ids.SESSION, ids.STEP, ids.RESULT,
                     ids.PROBE, "auth", ids.MEMBERS, ids.AUDIT, ids.EVIDENCE, target.topic(ids.MEMBERS_TOPIC)}

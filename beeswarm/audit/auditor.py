@@ -56,13 +56,16 @@ class _Job:
 class Auditor:
     def __init__(self, node: Node, runtime_for: Callable[[Span], SpanRuntime], rate: float = DEFAULT_RATE,
                  on_caught: Callable[[str, str], None] = lambda peer, why: None,
-                 coordinator: Callable[[], str | None] = lambda: None, rng: random.Random | None = None):
+                 coordinator: Callable[[], str | None] = lambda: None, rng: random.Random | None = None,
+                 report: Callable[[Evidence], None] | None = None):
         """`runtime_for(span)`: the span's layers to recompute with (loaded on first use); `on_caught(peer,
-        why)`: a stage failed an audit or refused one; `coordinator()`: whom to send evidence to."""
+        why)`: a stage failed an audit or refused one; `coordinator()`: whom to send evidence to; `report`:
+        what is done with signed evidence (by default, it goes to the coordinator and its verdict is kept)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"the audit rate is a probability, got {rate}")
         self.node, self.runtime_for, self.rate = node, runtime_for, rate
         self.on_caught, self.coordinator = on_caught, coordinator
+        self._report = report or self._send_to_coordinator
         self.rng = rng or random.SystemRandom()  # the stages must not be able to predict the draw
         self.counts = AuditCounts()
         self.verdicts: list[Verdict] = []  # the coordinator's answers to this entry's evidence
@@ -171,7 +174,7 @@ class Auditor:
             self._caught[job.session].add(job.stage)
         self.on_caught(job.stage, why)
 
-    def _report(self, evidence: Evidence) -> None:
+    def _send_to_coordinator(self, evidence: Evidence) -> None:
         coordinator = self.coordinator()
         if coordinator is None:
             log.warning("no coordinator to send the evidence against %s to", evidence.accused)

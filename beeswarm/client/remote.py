@@ -131,7 +131,7 @@ class RemotePipeline:
         self.node, self.entry, self.route, self.mode, self.compress = node, entry, route, mode, compress
         self.step_timeout_s = step_timeout_s
         self.links = {stage.node: codec.LinkCodec(link_bytes_per_s) for stage in route}
-        self._inbox = inbox
+        self.inbox = inbox
         self._lost: dict[str, str] = {}  # route peer -> why it is gone: fail fast, not after the step timeout
         node.on_peer_disconnected.append(self._on_disconnected)
         node.on_peer_connected.append(self.found)
@@ -232,7 +232,7 @@ class RemotePipeline:
     def discard(self, session: str, step: int) -> None:
         """A submitted step's result is not wanted: it is dropped when it comes."""
         self._sent.pop((session, step), None)
-        self._inbox.wait((session, step), 0)
+        self.inbox.wait((session, step), 0)
         if self.auditor is not None:
             self.auditor.unobserved(session, step)
 
@@ -243,11 +243,11 @@ class RemotePipeline:
         msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame,
                    mask=tensors.encode_mask(tree_mask), keep=keep, cancel=cancel)
         self._sent[(session, step)] = (commitments.context(start, msg.mask, keep), commitments.digest(hidden))
-        self._inbox.expect((session, step))
+        self.inbox.expect((session, step))
         try:
             self._channels.send(stage.node, ids.STEP, encode(msg))
         except NodeError as e:
-            self._inbox.wait((session, step), 0)
+            self.inbox.wait((session, step), 0)
             self._sent.pop((session, step), None)
             raise StageFailed(stage.node, str(e)) from None
         return step
@@ -255,7 +255,7 @@ class RemotePipeline:
     def _await(self, session: str, step: int, stage: Stage) -> tuple[torch.Tensor, float]:
         """The step's hidden states from the route's last stage (checked), and when they arrived."""
         sent = self._sent.pop((session, step))
-        got = self._inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
+        got = self.inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
         if got is None:
             lost = dict(self._lost)
             if lost:
@@ -275,12 +275,12 @@ class RemotePipeline:
         except (codec.CodecError, ProtocolError) as e:
             raise StageFailed(last.node, f"bad result frame: {e}") from None
         stages = self.route if self.mode == "push" else (stage,)
-        self._check_commits(session, step, stages, sent, reply, hidden)
+        self.check_commits(session, step, stages, sent, reply, hidden)
         if self.auditor is not None:
             self.auditor.observe(session, reply.commits)
         return hidden, arrived
 
-    def _check_commits(self, session: str, step: int, stages: Route, sent: tuple[bytes, bytes], reply: Result,
+    def check_commits(self, session: str, step: int, stages: Route, sent: tuple[bytes, bytes], reply: Result,
                        hidden: torch.Tensor) -> None:
         """Every stage's commitment must be there, signed, and chained: each one's input what the one before
         it sent, the first one's what this entry sent, the last one's output what came back. An honest stage
@@ -310,7 +310,7 @@ class RemotePipeline:
         """`peer` is gone (its connection dropped, or it stopped beating): steps waiting on the route fail now."""
         if any(s.node == peer for s in self.route):
             self._lost[peer] = why
-            self._inbox.wake()
+            self.inbox.wake()
 
     def found(self, peer: str) -> None:
         """`peer` is back (reconnected, or beating again): this pipeline may route through it again."""

@@ -4,8 +4,10 @@ Composition only: p2p (node, membership, probes), coordinator (the plan follower
 that leads it: election, plans, judging evidence), shard (benchmark,
 span runtime) and the stage server. The span comes from the coordinator's plan: when the plan's
 target gives this node a new span, it is loaded in the background while the old one keeps serving
-(make-before-break), then announced in the heartbeat so the coordinator can make it active.
-A paused node keeps its membership but leaves the plans; `status()` is what the dashboard shows.
+(make-before-break), then announced in the heartbeat so the coordinator can make it active. Where the node
+is in its life (starting, idle, loading, serving, paused, leaving) is its `Lifecycle`, which alone writes
+what it announces. A paused node keeps its membership but leaves the plans; `status()` is what the
+dashboard shows.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from beeswarm.audit import evidence
 from beeswarm.audit.faults import Fault
+from beeswarm.contributor.lifecycle import Lifecycle, Phase
 from beeswarm.contributor.stage import StageServer
 from beeswarm.contributor.status import (
     HISTORY,
@@ -97,15 +100,10 @@ class Contributor:
                  say: Callable[[Event], None] = lambda event: print(event.text)):
         self.identity, self.options, self.say = identity, options, say
         self.node, self.members, self.prober = node, members, prober
-        self.stopping = threading.Event()
-        self.stopped = threading.Event()
-        self.server: StageServer | None = None
-        self.span: Span | None = None
-        self.offload_fraction = 0.0
-        self.paused = False
-        self.ready = False  # node, membership, coordinator and prober are up
+        self.stopping = threading.Event()  # asked to leave: wakes the serving loop, ends long work at its next step
+        self.lifecycle = Lifecycle(members.update)
+        self.server: StageServer | None = None  # made with the first span loaded
         self.failure: BaseException | None = None  # why the p2p node stopped on its own (then `run()` raises)
-        self._loading: Span | None = None
         self._lock = threading.Lock()
         self._progress: dict[str, Progress] = {}
         self._rate = RateMeter()
@@ -124,7 +122,7 @@ class Contributor:
         o = options
         node = Node(identity, NodeConfig(listen=o.listen, announce=o.announce, bootstrap=o.join, secret=o.secret,
                                          relays=o.relays))
-        members = Membership(node, NodeInfo(peer=identity.peer_id, role="contributor", state="idle", quant=o.quant),
+        members = Membership(node, NodeInfo(peer=identity.peer_id, role="contributor", quant=o.quant),
                              interval=o.interval)
         follower = PlanFollower(node, members, interval=o.interval)
         shape, workload = model_shape(o.model, o.device, o.dtype, o.quant), Workload(context_tokens=o.context_tokens)
@@ -152,6 +150,15 @@ class Contributor:
                 self._judging = served
         return served
 
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
+
+    @property
+    def ready(self) -> bool:
+        """Node, membership, coordinator and prober are up: pause, resume and rebench work from now on."""
+        return self.lifecycle.facts.started
+
     def run(self) -> None:
         """Serve until `stop()` (or a signal handler calling it); then leave gracefully. Raises NodeFailed
         if the p2p node stopped on an error (the contributor stops with it: a supervisor restarts the process)."""
@@ -159,7 +166,7 @@ class Contributor:
             self._serve()
             self.node.raise_if_failed()
         finally:
-            self.stopped.set()
+            self.lifecycle.stopped()
 
     def _node_failed(self, error: BaseException) -> None:
         self.failure = error
@@ -179,7 +186,7 @@ class Contributor:
         self.node.start()
         self.prober.report_links(self.members, every_s=120, bulk_bytes=1 << 20, stop=self.stopping,
                                  on_progress=self._probe_progress)
-        self.ready = True
+        self.lifecycle.started()
         self.say(Event("peer", f"peer {self.node.peer_id}", {"peer": self.node.peer_id}))
         for addr in self.node.addrs:
             self.say(Event("addr", f"addr {addr}", {"addr": addr}))
@@ -251,19 +258,11 @@ class Contributor:
         self._set_paused(False)
 
     def _set_paused(self, paused: bool) -> None:
-        if not self.ready or self.stopping.is_set():
+        if self.stopping.is_set() or not self.lifecycle.set_paused(paused):
             return
-        with self._lock:
-            self.paused = paused
-            state = self._resting_state()
-        self.members.update(state=state)
         self.coordinator.mark_dirty()
         word = "paused" if paused else "resumed"
         self.say(Event(word, f"{word} serving"))
-
-    def _resting_state(self) -> str:
-        """The state to announce when not loading."""
-        return "paused" if self.paused else "serving" if self.span else "idle"
 
     def rebench(self) -> bool:
         """Measure the device again in the background and publish the new figures (False: one is running)."""
@@ -303,8 +302,9 @@ class Contributor:
             progress = tuple(self._progress.values())
         snapshot = functools.partial(ContributorStatus, peer=self.identity.peer_id, swarm=NodeConfig().swarm,
                                      model=o.model, private=o.secret is not None, progress=progress)
-        if not self.ready:
-            return snapshot(state="stopped" if self.stopped.is_set() else "starting")
+        facts = self.lifecycle.facts
+        if not facts.started:
+            return snapshot(state=facts.phase.value)
         me = self.members.info
         lease = self.coordinator.lease
         links = self.prober.all()
@@ -316,7 +316,7 @@ class Contributor:
                                 me=info is me))
         server, traffic = self.server, (self.server.traffic if self.server else None)
         sessions = list(server.sessions.values()) if server else []
-        runtime = server.runtimes.get(self.span) if server and self.span is not None else None
+        runtime = server.runtimes.get(facts.span) if server and facts.span is not None else None
         resident = round(len(runtime.layers) * self.layer_bytes) if runtime is not None else 0
         history = tuple(self._history)
         plan = self.coordinator.state  # shown: a sentence, or serving weights in another format than the swarm
@@ -327,15 +327,15 @@ class Contributor:
                                  server.reveals, server.step_log.nbytes, excluded) \
             if server and traffic else ServingFigures(history=history, excluded=excluded)
         return snapshot(
-            state="stopped" if self.stopped.is_set() else me.state, coordinator=lease.leader if lease else None,
+            state=facts.phase.value, coordinator=lease.leader if lease else None,
             term=lease.term if lease else 0, epoch=self.coordinator.state.epoch, addrs=tuple(self.node.addrs),
             peers=tuple(rows), serving=serving,
-            shard=ShardFigures(self.span, self.offload_fraction, self.memory,
+            shard=ShardFigures(facts.span, facts.offload_fraction, self.memory,
                                resident + sum(s.kv_bytes for s in sessions)))
 
     # leaving ---------------------------------------------------------------------------------------
     def _leave(self) -> None:
-        self.members.update(state="leaving")
+        self.lifecycle.leave()
         self.members.leave()
         deadline = time.monotonic() + LEAVE_GRACE_S
         while self.server is not None and self.server.busy and time.monotonic() < deadline:
@@ -353,21 +353,15 @@ class Contributor:
         """Runs in the node's loop: only decide, never block."""
         me = self.identity.peer_id
         target = stages_of(state.target, me)
-        with self._lock:
+        with self._lock:  # a loader adding a span waits: the spans announced are the server's
             if self.server is not None:  # keep what clients route over (active) and what comes next (target)
                 self.server.keep_only({s.span for s in target + stages_of(state.active, me)})
-                self.members.update(spans=self.server.spans)
-                if self.span is not None and self.span not in self.server.spans:
-                    self.span = None  # the plan moved on without it
-                    self.members.update(layers=None, state=self._resting_state())
-            mine = target[0] if target else None
-            if mine is None or mine.span in (self.span, self._loading) or self.paused or self.stopping.is_set():
-                return
-            self._loading = mine.span
-        self._start_worker(self._load, "span-loader", mine.span, mine.offload_fraction)
+                self.lifecycle.serving_only(self.server.spans)
+        mine = target[0] if target else None
+        if mine is not None and not self.stopping.is_set() and self.lifecycle.begin_load(mine.span):
+            self._start_worker(self._load, "span-loader", mine.span, mine.offload_fraction)
 
     def _load(self, span: Span, offload_fraction: float = 0.0) -> None:
-        self.members.update(state="loading")
         log.info("loading layers %s of %s (offload %.0f%%)", span, self.options.model, 100 * offload_fraction)
         label = f"loading layers {span}"
         self._report("load", label, 0, len(span))
@@ -381,9 +375,7 @@ class Contributor:
         except Exception as e:  # noqa: BLE001 - report, keep serving the old span
             log.exception("could not load layers %s", span)
             self._report("load", label, error=str(e))
-            with self._lock:
-                self._loading = None
-            self.members.update(state=self._resting_state())
+            self.lifecycle.load_failed()
             return
         with self._lock:
             if self.server is None:
@@ -394,7 +386,5 @@ class Contributor:
                                           coordinator=self.coordinator.follower.leader).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
-            self.span, self._loading, self.offload_fraction = span, None, offload_fraction
-            state, spans = self._resting_state(), self.server.spans
-        self.members.update(layers=span, spans=spans, state=state)
+            self.lifecycle.loaded(span, offload_fraction, self.server.spans)
         self.say(Event("serving", f"serving layers {span}", {"start": span.start, "end": span.end}))

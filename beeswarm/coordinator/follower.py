@@ -68,7 +68,7 @@ class PlanFollower:
         # members beat to the coordinator once there is one, and keep links to the plan's stages
         self.members.follow(lease=self._lease, wanted=self._plan_nodes)
         self.members.on_view.append(self._on_view)
-        self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self._on_message)
+        self.node.subscribe(self.node.topic(ids.COORDINATOR_TOPIC), _messages, self.on_message)
         self.members.listeners.append(self._on_member)
 
     async def _watch(self) -> None:
@@ -127,7 +127,7 @@ class PlanFollower:
                 self.election.told()
 
     # plans -------------------------------------------------------------------------------------
-    def _on_message(self, author: str, msg: LeaseBeat | SignedPlan) -> None:
+    def on_message(self, author: str, msg: LeaseBeat | SignedPlan) -> None:
         if isinstance(msg, LeaseBeat):
             was_leader = self.is_leader
             with self._lock:

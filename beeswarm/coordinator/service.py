@@ -190,6 +190,11 @@ class Coordinator:
             self._dirty_since = now
         self._dirty, self._last_change = True, now
 
+    @property
+    def replan_pending(self) -> bool:
+        """Something the plan depends on changed and no plan has taken it in yet."""
+        return self._dirty
+
     def _settled(self, now: float) -> bool:
         """Dirty, and quiet for SETTLE_BEATS (or dirty for MAX_WAIT_BEATS): time to plan."""
         return self._dirty and (now - self._last_change >= SETTLE_BEATS * self.interval or
@@ -277,12 +282,13 @@ class Coordinator:
         if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
             return  # nothing the plan depends on changed
         try:
-            await self._plan(cluster, view, others)
+            await self.plan_epoch(cluster, view, others)
         finally:
             self._planned_input = given()
 
-    async def _plan(self, cluster: Cluster, view: dict[str, NodeInfo], others: tuple[Exclusion, ...] = ()) -> None:
-        """`others`: the contributors left out for serving another weight format."""
+    async def plan_epoch(self, cluster: Cluster, view: dict[str, NodeInfo], others: tuple[Exclusion, ...] = ()) -> None:
+        """Plan `cluster` and publish the result as the next epoch, unless it changes nothing or the lease was
+        lost while the planner ran. `others`: the contributors left out for serving another weight format."""
         try:
             result = await trio.to_thread.run_sync(self.planner, cluster)
         except PlanError as e:

@@ -204,6 +204,11 @@ class Node:
                     with trio.CancelScope(shield=True):
                         await peers.close_all(host, STOP_TIMEOUT_S / 2)
 
+    @property
+    def running(self) -> bool:
+        """The node's loop runs: started, and neither stopped nor failed."""
+        return self._thread is not None and self._thread.is_alive()
+
     # the node's loop, from any thread ---------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run async `fn` in the node's loop from another thread and return its result."""

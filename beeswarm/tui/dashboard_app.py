@@ -13,6 +13,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header
 
+from beeswarm.contributor.lifecycle import Phase
 from beeswarm.contributor.process import LEAVE_GRACE_S, Contributor
 from beeswarm.contributor.status import ContributorStatus
 from beeswarm.tui.widgets.help_screen import HelpScreen
@@ -112,7 +113,7 @@ class DashboardApp(App):
     def action_pause(self) -> None:
         if not self.contributor.ready:
             self.notify("Not in the swarm yet.", severity="warning")
-        elif self.contributor.paused:
+        elif self.contributor.phase is Phase.PAUSED:
             self.contributor.resume()
             self.notify("Serving again: the coordinator will plan this node back in.")
         else:
