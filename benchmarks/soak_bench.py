@@ -18,6 +18,7 @@ once warm. `--plot` draws the curves (matplotlib, the `bench` extra).
 
     python benchmarks/soak_bench.py [--minutes 120] [--period 10] [--group 8] [--contributors 2]
         [--replace-every 60] [--sample-every 30] [--out soak.jsonl] [--plot soak.png] [--json]
+        [--trace-memory]
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,7 +49,7 @@ from beeswarm.p2p.node import Node, NodeConfig
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 VANISHING = Path(__file__).resolve().parents[1] / "tests" / "vanishing_peers.py"
 FLAT = ("fds", "rss_mb", "threads", "connections", "known_peers", "inbound_slots", "tasks", "members", "bans",
-        "probes", "handshake_ms")
+        "probes", "handshake_ms", "py_heap_mb")
 
 
 @dataclass
@@ -148,7 +150,13 @@ def sample(contributor: Contributor, churn: Churn, began: float) -> dict[str, ob
             "connected_others": len(set(contributor.node.connected_peers()) - set(contributor.members.view())),
             "bans": len(contributor.node.bans),
             "probes": len(contributor.prober.all()), "handshake_ms": handshake_ms(churn.addr),
-            "serving": contributor.span is not None}
+            "serving": contributor.lifecycle.facts.span is not None,
+            "py_heap_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 1) if tracemalloc.is_tracing() else None}
+
+
+def heap_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int = 15) -> list[str]:
+    """Where the Python heap grew between two snapshots: the sites that allocated most, net."""
+    return [str(stat) for stat in after.compare_to(before, "traceback")[:top] if stat.size_diff > 0]
 
 
 def flatness(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
@@ -169,7 +177,8 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("file descriptors, threads", ("fds", "threads")), ("RSS (MB)", ("rss_mb",)),
+    panels = [("file descriptors, threads", ("fds", "threads")),
+              ("RSS, traced Python heap (MB)", ("rss_mb", "py_heap_mb")),
               ("trio tasks", ("tasks",)), ("connections, peerstore, inbound slots, members",
                                           ("connections", "known_peers", "inbound_slots", "members")),
               ("newcomer's time to connect (ms)", ("handshake_ms",)),
@@ -200,7 +209,11 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace-memory", action="store_true",
+                    help="trace Python allocations (slower): the heap in each sample, and where it grew after warm-up")
     args = ap.parse_args()
+    if args.trace_memory:
+        tracemalloc.start(4)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="soak-"))
     logs.mkdir(parents=True, exist_ok=True)
     node_log = open(logs / "node.log", "w")  # noqa: SIM115 - open for the whole run
@@ -228,6 +241,7 @@ def main() -> None:
     end = began + args.minutes * 60
     next_sample = next_replace = began
     rows: list[dict[str, object]] = []
+    warm: tracemalloc.Snapshot | None = None
     out = open(args.out, "w") if args.out else None  # noqa: SIM115
     try:
         while time.monotonic() < end:
@@ -240,6 +254,8 @@ def main() -> None:
                     out.flush()
                 if not args.json:
                     print(json.dumps(rows[-1]), flush=True)
+                if args.trace_memory and warm is None and round_began - began >= args.minutes * 15:
+                    warm = tracemalloc.take_snapshot()  # the end of the first quarter: warm-up over
             if round_began >= next_replace + args.replace_every:
                 churn.replace_oldest()
                 next_replace = round_began
@@ -248,6 +264,7 @@ def main() -> None:
             churn.reap()
             time.sleep(max(0.0, args.period - (time.monotonic() - round_began)))
     finally:
+        grown = heap_growth(warm, tracemalloc.take_snapshot()) if warm is not None else []
         churn.reap(everything=True)
         contributor.stop()
         runner.join(30)
@@ -256,7 +273,7 @@ def main() -> None:
     summary = {"minutes": args.minutes, "samples": len(rows), "peers_started": churn.peers_started,
                "kills": churn.kills, "polite": churn.polite,
                "newcomers_refused": sum(r["handshake_ms"] is None for r in rows), "flatness": flatness(rows),
-               "logs": str(logs)}
+               "heap_growth_after_warmup": grown, "logs": str(logs)}
     if args.plot:
         plot(rows, args.plot)
     print(json.dumps(summary, indent=None if args.json else 2))
