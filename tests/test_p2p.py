@@ -240,7 +240,8 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
 @pytest.mark.slow
 def test_a_node_stays_open_to_newcomers_after_hundreds_of_peers_vanished(mesh):
     """py-libp2p 0.8.1 held one of 250 inbound slots per connection ever accepted, until the process ended:
-    after ~250 peers had come and gone, every newcomer's handshake was reset (p2p/hardening.py, guard E)."""
+    after ~250 peers had come and gone, every newcomer's handshake was reset (p2p/hardening.py, guard E).
+    Its auto-connector also kept a record of every peer that ever left (p2p/transport.py)."""
     (node,) = mesh(1, members=False, setup=lambda n: setattr(n.config, "forget_every_s", 1.0))
     addr = node.addrs[0]
     script = str(Path(__file__).parent / "vanishing_peers.py")
@@ -256,6 +257,7 @@ def test_a_node_stays_open_to_newcomers_after_hundreds_of_peers_vanished(mesh):
     # nothing of them is kept: their inbound slots are free and the peerstore forgot them
     wait_for(lambda: node.stats().known_peers == 1, 10, "the vanished peers to leave the peerstore")
     assert node.stats().inbound_slots == 0
+    assert not node._host.get_network().auto_connector._recent_disconnects  # was one entry per vanished peer
     (newcomer,) = mesh(1, members=False, bootstrap=[])
     assert newcomer.connect(addr, timeout=10) == node.peer_id
     wait_for(lambda: node.stats().connected_peers == 1, 10, "the node to count the newcomer")

@@ -29,9 +29,18 @@ def new_host(identity: Identity, announce: list[str], secret: bytes | None) -> A
     )
     # py-libp2p's auto-connector dials every peer in the peerstore up to 150 connections: a full mesh, N^2
     # handshakes in a swarm starting at once. Membership keeps the links a node needs instead.
-    host.get_network().auto_connector.maybe_connect = _no_auto_connect
+    connector = host.get_network().auto_connector
+    connector.maybe_connect = _no_auto_connect
+    # Its re-dial back-off then serves nothing, and nothing empties it: `Swarm.notify_disconnected` records
+    # every peer that leaves (network/swarm.py:3206, auto_connector.py:611-625) and only `maybe_connect`
+    # prunes the table (auto_connector.py:439): one entry, the peer's ID kept alive, per peer ever gone.
+    connector.record_disconnect = _no_record
     return host
 
 
 async def _no_auto_connect() -> None:
+    pass
+
+
+def _no_record(peer_id: Any) -> None:
     pass
