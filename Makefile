@@ -50,6 +50,14 @@ $(STAMP): pyproject.toml
 		else echo "libgmp-dev is missing: install it as root (apt-get install libgmp-dev)"; exit 1; fi; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libgmp-dev gcc; \
 	fi
+	@# The across-home-routers test bed (tests/netbed.py) builds namespaces with ip, tc, nft and sysctl;
+	@# without them (or without root) its tests skip, naming what is missing, so this one is not fatal.
+	@if command -v dpkg >/dev/null; then need=; \
+		for p in iproute2 nftables procps; do dpkg -s $$p >/dev/null 2>&1 || need="$$need $$p"; done; \
+		if [ -z "$$need" ]; then :; elif [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need; \
+		else echo "netbed tests will skip: install$$need as root (apt-get install$$need)"; fi; \
+	fi
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "beeswarm needs Python >= 3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
