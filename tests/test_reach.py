@@ -12,10 +12,14 @@ import multiaddr
 import pytest
 
 from beeswarm.p2p import addresses, identity
+from beeswarm.p2p.dialback import Answer, verdict
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import ids
 from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.reach import DialBack, DialedBack
 from helpers import INTERVAL, LOCAL, wait_for
 
 
@@ -45,8 +49,9 @@ def test_a_node_listening_on_every_interface_never_announces_0_0_0_0():
     wide.start()
     try:
         assert wide.addrs and not any("/0.0.0.0/" in a for a in wide.addrs), wide.addrs
-        loopback = next(a for a in wide.addrs if a.startswith("/ip4/127.0.0.1/"))
-        peer = Node(other, NodeConfig(listen=LOCAL, bootstrap=[loopback]))
+        if addresses.interface_ips(4) != ["127.0.0.1"]:  # another host dialling 127.0.0.1 would reach itself
+            assert not any(a.startswith("/ip4/127.") for a in wide.addrs), wide.addrs
+        peer = Node(other, NodeConfig(listen=LOCAL, bootstrap=[wide.addrs[0]]))
         members = Membership(peer, NodeInfo(peer=other.peer_id), interval=INTERVAL)
         members.start()
         peer.start()
@@ -97,3 +102,51 @@ def test_joining_a_bootstrap_that_refuses_fails_within_seconds_naming_it(command
     assert "Traceback" not in out.stderr
     # it used to wait out a 60 s route timeout; a process start (torch, the model) takes 5-16 s on 2 busy cores
     assert took < 30, f"{took:.1f} s to say the bootstrap is unreachable"
+
+
+def test_peers_dial_a_node_back_so_it_learns_it_is_public_and_says_so(mesh):
+    a, b, c = mesh(3)
+    for node in (a, b, c):
+        wait_for(lambda n=node: n.reachability.reach == "public", 30, "a dial-back to succeed")
+    assert a.reachability.observed_ip == "127.0.0.1"
+    heard = wait_for(lambda: (b.members.view().get(a.peer_id) or NodeInfo(peer="x")).reach == "public", 15,
+                     "a's heartbeat to say it is public")
+    assert heard
+
+
+def test_a_dial_back_reaches_only_a_libp2p_listener_at_the_askers_own_address(mesh):
+    """A port nobody listens on, or something that is not a libp2p node, is not dialable; the asker's address is
+    the only one dialled (nobody can aim a node's dials at a third host), and a peer is answered at most so often."""
+    a, b = mesh(2)
+    wait_for(lambda: b.peer_id in a.connected_peers(), 10, "a connection")
+    port = int(b.addrs[0].split("/")[4])
+    with socket.socket() as other:  # a listener that is not libp2p: accepts, says nothing
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        silent = other.getsockname()[1]
+        reply = a.request(b.peer_id, ids.DIALBACK, DialBack(ports=(closed_port(), silent, port)),
+                          reply_decoder(DialedBack), timeout=20)
+    assert reply.observed_ip == "127.0.0.1" and reply.dialable == (port,)
+    again = a.request(b.peer_id, ids.DIALBACK, DialBack(ports=(port,)), reply_decoder(DialedBack), timeout=20)
+    assert again.observed_ip == "" and again.dialable == (), "answered again within ANSWER_EVERY_S"
+
+
+def test_who_is_public_is_decided_by_peers_that_saw_a_public_address():
+    home, internet = "192.168.1.7", "203.0.113.10"
+    # a peer on the same home network dialled it back, peers on the internet could not: private
+    assert verdict([Answer(home, (4001,)), Answer(internet, ()), Answer(internet, ())], 2) == "private"
+    assert verdict([Answer(home, (4001,)), Answer(internet, ())], 2) == "unknown"  # one failure may be a fluke
+    assert verdict([Answer(internet, (4001,)), Answer(internet, ())], 2) == "public"
+    assert verdict([Answer(home, (4001,))], 2) == "public"  # a home (or loopback) swarm: public to it
+    assert verdict([Answer(internet, ())], 2) == "unknown" and verdict([Answer(internet, ())], 1) == "private"
+    assert verdict([], 1) == "unknown"
+
+
+def test_loopback_is_announced_only_by_a_loopback_only_node_and_private_addresses_dialled_only_nearby():
+    assert addresses.announced(["/ip4/10.0.1.10/tcp/1", "/ip4/127.0.0.1/tcp/1"]) == ["/ip4/10.0.1.10/tcp/1"]
+    assert addresses.announced(["/ip4/127.0.0.1/tcp/1"]) == ["/ip4/127.0.0.1/tcp/1"]
+    assert addresses.worth_dialling("/ip4/198.51.100.10/tcp/1/p2p/x")
+    assert addresses.worth_dialling("/ip4/198.51.100.10/tcp/1/p2p/r/p2p-circuit/p2p/x")
+    assert not addresses.worth_dialling("/ip4/10.254.253.7/tcp/1/p2p/x")  # nobody's network here
+    assert not addresses.worth_dialling("/ip4/10.254.253.7/tcp/1/p2p/r/p2p-circuit/p2p/x")
+    assert addresses.is_public("203.0.113.10") and not addresses.is_public("100.64.0.1")

@@ -105,10 +105,12 @@ class Api:
         route = client.find_route()
         view = client.members.view()
         stages = [{"peer": s.node, "start": s.span.start, "end": s.span.end,
-                   "sessions": view[s.node].sessions if s.node in view else None}
+                   "sessions": view[s.node].sessions if s.node in view else None,
+                   "reach": view[s.node].reach if s.node in view else "unknown"}
                   for s in (route.stages if route else ())]
         return JSONResponse({"status": "ok" if route else "no_route", "model": self.completer.model_id,
                              "route": stages, "members": len(view), "plan_epoch": client.coordinator.state.epoch,
+                             "reach": client.node.reachability.reach,
                              "active_requests": self.admission.active},
                             200 if route else 503)
 

@@ -34,9 +34,10 @@ class SwarmObserver:
 
     @classmethod
     def create(cls, bootstrap: list[str], secret: bytes | None = None, interval: float = 3.0,
-               listen: list[str] | None = None) -> SwarmObserver:
+               listen: list[str] | None = None, relays: list[str] | None = None) -> SwarmObserver:
         me = identity.ephemeral()
-        node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], bootstrap=bootstrap, secret=secret))
+        node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], bootstrap=bootstrap, secret=secret,
+                                   relays=relays or []))
         members = Membership(node, NodeInfo(peer=me.peer_id, role="client", state="serving"), interval=interval)
         coordinator = PlanFollower(node, members, interval=interval)
         return cls(node, members, coordinator)

@@ -250,11 +250,11 @@ class SwarmClient:
     def create(cls, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None, interval: float = 3.0,
                listen: list[str] | None = None, announce: list[str] | None = None,
                options: ClientOptions | None = None, draft: DraftModel | None = None,
-               tuner: Tuner | None = None) -> SwarmClient:
+               tuner: Tuner | None = None, relays: list[str] | None = None) -> SwarmClient:
         """A client with a fresh identity, joining through `bootstrap` (not started)."""
         me = identity.ephemeral()
         node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], announce=announce or [],
-                                   bootstrap=bootstrap, secret=secret))
+                                   bootstrap=bootstrap, secret=secret, relays=relays or []))
         members = Membership(node, NodeInfo(peer=me.peer_id, role="client", state="serving"), interval=interval)
         coordinator = PlanFollower(node, members, interval=interval)  # a client follows plans, never makes them
         return cls(entry, node, members, coordinator, options, draft, tuner)

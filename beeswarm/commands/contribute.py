@@ -42,7 +42,8 @@ def run(args) -> int:
     model = args.model or (descriptor.model if descriptor else "tinycode")
     quant: Quant = args.quant or (descriptor.quant if descriptor else "none")
     contributor_options = ContributorOptions(model=model, join=bootstrap, listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
-                                             announce=args.announce, relays=args.relay, device=args.device,
+                                             announce=args.announce, relays=args.relay,
+                                             relay_service=not args.no_relay_service, device=args.device,
                                              dtype=args.dtype, quant=quant, max_memory=args.max_memory,
                                              secret=swarm_secret(args.swarm_secret_env), interval=args.heartbeat)
     dashboard = not args.headless and interactive()

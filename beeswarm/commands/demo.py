@@ -24,6 +24,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     demo.add_argument("--serve", action="store_true", help="serve the OpenAI-compatible API instead of chatting")
     options.add_serve(demo)
     options.add_entry_addrs(demo)
+    options.add_relay(demo)
     demo.set_defaults(func=run, client_hops=False, heartbeat=1.0)
     return demo
 

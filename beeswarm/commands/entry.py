@@ -66,10 +66,11 @@ def encode_prompt(entry, args):
 
 def start_client(args, entry, bootstrap: list[str], draft, tuner, *, secret: bytes | None = None,
                  listen: list[str] | None = None, **options):
-    """The started SwarmClient of demo, chat and serve: --heartbeat, --listen (else `listen`), --announce and
-    --audit-rate from `args`; `options` are the command's other ClientOptions."""
+    """The started SwarmClient of demo, chat and serve: --heartbeat, --listen (else `listen`), --announce, --relay
+    and --audit-rate from `args`; `options` are the command's other ClientOptions."""
     from beeswarm.client.swarm import ClientOptions, SwarmClient
 
     return SwarmClient.create(entry, bootstrap, secret=secret, interval=args.heartbeat, listen=args.listen or listen,
-                              announce=args.announce, options=ClientOptions(audit_rate=args.audit_rate, **options),
-                              draft=draft, tuner=tuner).start()
+                              announce=args.announce, relays=args.relay,
+                              options=ClientOptions(audit_rate=args.audit_rate, **options), draft=draft,
+                              tuner=tuner).start()

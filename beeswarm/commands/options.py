@@ -22,7 +22,15 @@ def add_quant(p: argparse.ArgumentParser, default: str | None = "none") -> None:
 
 
 def add_join(p: argparse.ArgumentParser, what: str) -> None:
+    """--join, and the relays a node behind a NAT may be reached through."""
     p.add_argument("--join", action="append", default=[], metavar="MULTIADDR|URL", help=what)
+    add_relay(p)
+
+
+def add_relay(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
+                   help="always hold a slot on this relay (a node peers cannot dial takes two slots on the swarm's "
+                        "public members by itself)")
 
 
 def add_entry_addrs(p: argparse.ArgumentParser) -> None:
@@ -34,12 +42,13 @@ def add_entry_addrs(p: argparse.ArgumentParser) -> None:
 
 
 def add_contributor_addrs(p: argparse.ArgumentParser) -> None:
-    """Where a contributor's node listens, what it announces, and the relays it reserves a slot on."""
+    """Where a contributor's node listens, what it announces, and whether it relays for others."""
     p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR")
     p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
                    help="the address peers should dial (behind port forwarding)")
-    p.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
-                   help="reserve a slot on this relay when peers cannot dial this machine")
+    p.add_argument("--no-relay-service", action="store_true",
+                   help="never relay circuits for members behind NATs (by default a contributor others can dial "
+                        "does, within limits per circuit and per relay)")
 
 
 def add_secret(p: argparse.ArgumentParser, what: str | None = None) -> None:

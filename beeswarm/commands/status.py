@@ -38,7 +38,8 @@ def run(args) -> int:
     if args.wait <= 0 or args.every <= 0:
         raise UserError("--wait and --every must be positive")
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    observer = SwarmObserver.create(bootstrap, secret=swarm_secret(args.swarm_secret_env), interval=args.heartbeat)
+    observer = SwarmObserver.create(bootstrap, secret=swarm_secret(args.swarm_secret_env), interval=args.heartbeat,
+                                    relays=args.relay)
     try:
         observer.start()
         observer.wait(args.wait)
@@ -77,12 +78,12 @@ def render(report: StatusReport, color: bool = False) -> list[str]:
     else:
         out.append("coordinator: none heard")
     out.append("")
-    out.append(f"  {'peer':<14} {'role':<11} {'state':<8} {'layers':<18} {'device':<8} {'tok/s':>7} "
+    out.append(f"  {'peer':<14} {'role':<11} {'state':<8} {'reach':<8} {'layers':<18} {'device':<8} {'tok/s':>7} "
                f"{'busy':>5} {'heartbeat':>10}")
     for m in report.members:
         layers = " ".join(str(s) for s in m.spans) or "-"
         mark = "*" if m.coordinator else " "
-        out.append(f"{mark} {short(m.peer):<14} {m.role:<11} {m.state:<8} {layers:<18} {m.device:<8} "
+        out.append(f"{mark} {short(m.peer):<14} {m.role:<11} {m.state:<8} {m.reach:<8} {layers:<18} {m.device:<8} "
                    f"{m.tokens_per_s:>7.1f} {m.busy:>5.0%} {m.heartbeat_age_s:>7.1f} s")
     out.append("")
     if not report.num_layers:

@@ -66,6 +66,7 @@ class ContributorOptions:
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce: list[str] = field(default_factory=list)
     relays: list[str] = field(default_factory=list)
+    relay_service: bool = True  # relay circuits for members behind NATs (taken up only while this node is public)
     device: str = "auto"
     dtype: str = "auto"
     quant: Quant = "none"  # the weights' format: the swarm's, every node the same
@@ -121,7 +122,7 @@ class Contributor:
                say: Callable[[Event], None] = lambda event: print(event.text)) -> Contributor:
         o = options
         node = Node(identity, NodeConfig(listen=o.listen, announce=o.announce, bootstrap=o.join, secret=o.secret,
-                                         relays=o.relays))
+                                         relays=o.relays, relay_service=o.relay_service))
         members = Membership(node, NodeInfo(peer=identity.peer_id, role="contributor", quant=o.quant),
                              interval=o.interval)
         follower = PlanFollower(node, members, interval=o.interval)
@@ -313,7 +314,7 @@ class Contributor:
             link = links.get(info.peer)
             rows.append(PeerRow(info.peer, info.role, info.layers, info.device, info.load,
                                 link.rtt_ms if link else None, link.up_mbps if link else None, info.state,
-                                me=info is me))
+                                me=info is me, reach=info.reach))
         server, traffic = self.server, (self.server.traffic if self.server else None)
         sessions = list(server.sessions.values()) if server else []
         runtime = server.runtimes.get(facts.span) if server and facts.span is not None else None

@@ -58,6 +58,7 @@ class PeerRow:
     up_mbps: float | None
     state: str
     me: bool = False
+    reach: str = "unknown"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class MemberRow:
     heartbeat_age_s: float  # since its last heartbeat reached us
     version: str
     coordinator: bool = False
+    reach: str = "unknown"  # public (others dial it), private (behind a NAT: through a relay), unknown
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class StatusReport:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "members": [{"peer": m.peer, "role": m.role, "state": m.state,
+            "members": [{"peer": m.peer, "role": m.role, "state": m.state, "reach": m.reach,
                          "spans": [[s.start, s.end] for s in m.spans], "device": m.device,
                          "tokens_per_s": round(m.tokens_per_s, 2), "busy": m.busy,
                          "heartbeat_age_s": round(m.heartbeat_age_s, 2),
@@ -131,7 +132,7 @@ def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], pl
                               spans=info.spans or ((info.layers,) if info.layers else ()), device=info.device,
                               tokens_per_s=info.load, busy=info.busy,
                               heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
-                              version=info.version, coordinator=peer == coordinator)
+                              version=info.version, coordinator=peer == coordinator, reach=info.reach)
                     for peer, info in sorted(view.items(), key=lambda kv: _order(kv[1])))
     return StatusReport(members, num_layers, _segments(num_layers, serving), coordinator, term, epoch, plan)
 

@@ -50,6 +50,13 @@ task (host/basic_host.py:1203-1216), from crashing the whole trio run if it ever
 Guard E ends that wait when the handler's own connection closes (its muxer's `event_closed`): the slot
 is given back with the connection, and the parked task with it.
 
+5. relay circuits: the hop side keeps its circuits in `CircuitV2Protocol._active_relays`, keyed by the
+   peer id of one end (relay/circuit_v2/protocol.py:672,722), and each circuit's relay task, ending,
+   closes whatever is stored under that peer id (protocol.py:926-932): with two circuits to one private
+   node (the stage before it and the entry), the end of either closed the other.
+Guard F keys `_active_relays` by (peer id, circuit): a context variable set per CONNECT request
+(`_handle_connect`, protocol.py:625), which the circuit's relay tasks inherit.
+
 Upstream: no py-libp2p issue for 1-3 turned up in a search of its tracker; the same failure class (one
 failed task cancels the whole Pubsub service) is libp2p/py-libp2p#1120 (push_msg raising StreamReset).
 Check each guard against the source again when upgrading py-libp2p (`install()` warns on another version).
@@ -75,6 +82,7 @@ import trio
 from libp2p.host.basic_host import BasicHost
 from libp2p.network.swarm import Swarm
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.tools.anyio_service.trio_manager import TrioManager
 from libp2p.tools.anyio_service.utils import get_task_name
 from libp2p.utils.connection_shutdown import is_expected_connection_shutdown
@@ -228,6 +236,34 @@ async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
+# Guard F: a relay's circuits to one peer are told apart -------------------------------------------------
+_handle_connect = CircuitV2Protocol._handle_connect
+_circuit: ContextVar[object | None] = ContextVar("relay_circuit", default=None)
+
+
+class _PerCircuit(dict):
+    """`_active_relays` with every key qualified by the circuit (the CONNECT request) being handled."""
+
+    def __setitem__(self, peer: Any, streams: Any) -> None:
+        super().__setitem__((peer, _circuit.get()), streams)
+
+    def __getitem__(self, peer: Any) -> Any:
+        return super().__getitem__((peer, _circuit.get()))
+
+    def __delitem__(self, peer: Any) -> None:
+        super().__delitem__((peer, _circuit.get()))
+
+    def __contains__(self, peer: object) -> bool:
+        return super().__contains__((peer, _circuit.get()))
+
+
+async def _handle_connect_per_circuit(self: Any, stream: Any, msg: Any) -> None:
+    if not isinstance(self._active_relays, _PerCircuit):
+        self._active_relays = _PerCircuit()
+    _circuit.set(object())  # this stream's task (and the relay tasks it starts) only
+    await _handle_connect(self, stream, msg)
+
+
 def install() -> None:
     """Apply the guards (once; later calls do nothing)."""
     global _installed
@@ -246,6 +282,7 @@ def install() -> None:
         (BasicHost, "_identify_task_entry", _guarded_identify_task_entry),  # D
         (Swarm, "_do_handle_inbound_connection", _inbound_until_closed),  # E
         (Swarm, "upgrade_inbound_raw_conn", _upgrade_then_end_with_connection),  # E
+        (CircuitV2Protocol, "_handle_connect", _handle_connect_per_circuit),  # F
     ]
     for owner, name, guard in guards:
         setattr(owner, name, functools.wraps(getattr(owner, name))(guard))

@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 import trio
 
+from beeswarm.p2p import addresses
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
@@ -118,6 +119,7 @@ class Membership:
         self.node.on_peer_connected.append(self._on_connected)
         self.node.on_peer_disconnected.append(self._on_disconnected)
         self.node.keep_known.append(self.view)  # members stay dialable while not connected
+        self.node.relay_candidates.append(self._relays)
         self.node.subscribe(self.node.topic(ids.MEMBERS_TOPIC), _messages, self._on_message)
         self.node.serve(ids.MEMBERS, self._on_beat, _beats)
         self.node.add_task(self._beat)
@@ -316,9 +318,15 @@ class Membership:
                 self._dialing.add(peer)
                 self.node.spawn(self._dial, view[peer])
 
+    def _relays(self) -> list[str]:
+        """Direct addresses of public members that relay (where a private node takes its relay slots)."""
+        return [addr for info in self.view().values() if info.relay and info.reach == "public"
+                for addr in info.addrs if "/p2p-circuit" not in addr and addresses.worth_dialling(addr)]
+
     async def _dial(self, info: NodeInfo) -> None:
         try:
-            for addr in sorted(info.addrs, key=lambda a: "/p2p-circuit" in a):  # direct addresses first
+            dialable = [a for a in info.addrs if addresses.worth_dialling(a)]
+            for addr in sorted(dialable, key=lambda a: "/p2p-circuit" in a):  # direct addresses first
                 try:
                     await self.node.connect_async(addr, 5.0)
                     return
@@ -377,7 +385,8 @@ class Membership:
             period = self.interval if to_leader else self.period()  # (due at once when the coordinator is reached)
             due = now - last_sent >= period or self._refresh
             if due:  # addresses rarely change, and reading them costs a system call each
-                self.update(addrs=tuple(self.node.addrs), beat_s=period)
+                self.update(addrs=tuple(self.node.addrs), beat_s=period, reach=self.node.reachability.reach,
+                            relay=self.node.config.relay_service)
             changed = self._published is None or _material(self._published) != _material(self._info)
             linking = not to_leader and leader in self._dialing  # beat to it once linked: gossip costs all a copy
             if (due or changed and now - last_sent >= self.interval / 4) and not linking:

@@ -26,22 +26,25 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
-from beeswarm.p2p import addresses, auth, hardening, logs, peers, reach, topics, transport, tuning
+from beeswarm.p2p import addresses, auth, dialback, hardening, logs, peers, reach, topics, transport, tuning
 from beeswarm.p2p.bans import BanList
 from beeswarm.p2p.channel import Channel, quiet_reset, reason, within
 from beeswarm.p2p.errors import NodeError, NodeFailed, PeerUnavailable
 from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.peers import NodeStats
 from beeswarm.p2p.reach import NOT_DIALABLE
-from beeswarm.p2p.requests import Handler, Requests
+from beeswarm.p2p.requests import Handler, Requests, reply_decoder
 from beeswarm.p2p.supervisor import supervised
 from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, encode, ids
+from beeswarm.protocol.reach import DialBack, DialedBack
 
 log = logging.getLogger(__name__)
 logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
 
 STOP_TIMEOUT_S = 2.0
 REMEMBER_S = 600  # how long addresses given to `remember_addrs` stay dialable (their peerstore TTL)
+_dialbacks: Decoder[DialBack] = Decoder(DialBack)
+_dialed_back = reply_decoder(DialedBack)
 
 
 @dataclass
@@ -52,8 +55,8 @@ class NodeConfig:
     swarm: str = "beeswarm"
     secret: bytes | None = None  # None: an open swarm
     max_tensor_bytes: int = TENSOR_LIMIT
-    relays: list[str] = field(default_factory=list)  # reserve a slot on these and announce the relayed address
-    relay_service: bool = False  # relay circuits for peers that cannot be dialled
+    relays: list[str] = field(default_factory=list)  # always hold a slot on these, and announce the relayed address
+    relay_service: bool = False  # relay circuits for peers that cannot be dialled (a public node is picked for it)
     forget_every_s: float = 60.0  # how often peers neither connected, a bootstrap nor kept leave the peerstore
 
 
@@ -79,7 +82,9 @@ class Node:
         self._host: Any = None
         self._pubsub: Pubsub | None = None
         self._relay: CircuitV2Transport | None = None
-        self.relayed_addrs: list[str] = []
+        self.relays: reach.Relays | None = None  # (made with the host)
+        # Addresses of members that relay and can be dialled: where this node takes slots once it learns it is private.
+        self.relay_candidates: list[Callable[[], Iterable[str]]] = []
         self._bootstraps: reach.Bootstraps | None = None  # (made with the host)
         self.on_peer_connected: list[Callable[[str], None]] = []
         self.on_peer_disconnected: list[Callable[[str], None]] = []
@@ -89,6 +94,11 @@ class Node:
         # `stop()`); `on_failure` callbacks then run once, in the node's thread: a process should exit non-zero.
         self.failure: BaseException | None = None
         self.on_failure: list[Callable[[BaseException], None]] = []
+        # Whether other hosts can dial this node: peers dial it back (dialback.py), and it dials them back.
+        self.reachability = dialback.Reachability()
+        self.serve(ids.DIALBACK, dialback.DialBackServer(self._direct_ip).answer, _dialbacks)
+        self.add_task(functools.partial(dialback.keep_learning, self.reachability, self._direct_peers,
+                                        self._listen_ports, self._ask_dialback))
 
     @property
     def private(self) -> bool:
@@ -186,9 +196,11 @@ class Node:
                 async with background_trio_service(self._pubsub), background_trio_service(router), \
                         background_trio_service(circuits):
                     self._relay = CircuitV2Transport(host, circuits, relay_config)
-                    for addr in self.config.relays:
-                        relayed = await reach.reserve(host, self._relay, nursery, self._connect, addr, self.peer_id)
-                        self.relayed_addrs += [relayed] if relayed else []
+                    self.relays = reach.Relays(host, self._relay, self._connect, self.peer_id, self.config.relays,
+                                               self._relay_candidates, self._needs_relays)
+                    if self.config.relays:  # the relays named are in the first addresses announced
+                        with trio.move_on_after(10.0):
+                            await self.relays.tend()
                     await self._pubsub.wait_until_ready()
                     for topic, decoder, callback in self._subscriptions:
                         await self._subscribe(topic, decoder, callback)
@@ -197,6 +209,7 @@ class Node:
                     for task in self._tasks:
                         self._spawn(task, (), restart=True)
                     self._spawn(peers.forget_gone, (host, self._kept, self.config.forget_every_s), restart=True)
+                    self._spawn(self.relays.keep, (), restart=True)
                     self._ready.set()
                     await self._stop.wait()
                     scope.deadline = trio.current_time() + STOP_TIMEOUT_S - 0.5
@@ -256,15 +269,48 @@ class Node:
     # addresses and connections ----------------------------------------------------------------
     @property
     def addrs(self) -> list[str]:
-        """Multiaddrs peers should dial, each ending in /p2p/<peer id>."""
+        """Multiaddrs peers should dial, each ending in /p2p/<peer id>: the public address peers saw it at when
+        they could dial it there, its interfaces' (loopback only when it has nothing else), then relayed ones."""
         if self._host is None:
             return []
         out = []
         for a in self._host.get_addrs():
             text = str(a)
-            if not addresses.unspecified(text):  # listen-only: nobody can dial 0.0.0.0
+            if not addresses.unspecified(text) and "/p2p-circuit" not in text:  # nobody can dial 0.0.0.0
                 out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
-        return out + self.relayed_addrs
+        seen = self.reachability.observed_ip
+        if self.reachability.reach == "public" and seen and addresses.is_public(seen):
+            # behind a port forward the host knows only its private address: the one peers dialled it at first
+            ports = {a.dialable for a in self.reachability.answers.values() if a.observed_ip == seen}
+            observed = [f"/ip4/{seen}/tcp/{port}/p2p/{self.peer_id}" for port in sorted(set().union(*ports))]
+            out = observed + [a for a in out if a not in observed]
+        return addresses.announced(out) + (self.relays.addrs() if self.relays else [])
+
+    def _needs_relays(self) -> bool:
+        return self.reachability.reach == "private"
+
+    def _relay_candidates(self) -> list[str]:
+        return [addr for candidates in self.relay_candidates for addr in candidates()]
+
+    def _listen_ports(self) -> tuple[int, ...]:
+        ports = []
+        for a in self._host.get_addrs() if self._host is not None else ():
+            parts = str(a).split("/")
+            if "/p2p-circuit" not in str(a) and len(parts) > 4 and parts[3] == "tcp":
+                ports.append(int(parts[4]))
+        return tuple(dict.fromkeys(ports))
+
+    def _direct_ip(self, peer: str) -> str | None:
+        endpoint = peers.direct_endpoint(self._host, _peer_id(peer)) if self._host is not None else None
+        return endpoint[0] if endpoint else None
+
+    def _direct_peers(self) -> list[str]:
+        return [str(p) for p in self._live_peers() if peers.direct_endpoint(self._host, p)]
+
+    async def _ask_dialback(self, peer: str, request: DialBack) -> DialedBack:
+        reply: DialedBack = await self.requests.request(peer, ids.DIALBACK, encode(request), _dialed_back,
+                                                        timeout=dialback.PROBE_TIMEOUT_S + 5.0)
+        return reply
 
     def connect(self, addr: str, timeout: float = 10.0) -> str:
         """Dial a multiaddr ending in /p2p/<peer id> (relayed: .../p2p-circuit/p2p/<id>); returns the peer id."""
@@ -308,7 +354,8 @@ class Node:
                 info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
             except Exception:  # noqa: BLE001 - a peer's bad address is its problem
                 continue
-            if info.peer_id.to_bytes() == _peer_bytes(peer) and not addresses.unspecified(addr):
+            if info.peer_id.to_bytes() == _peer_bytes(peer) and not addresses.unspecified(addr) and \
+                    addresses.worth_dialling(addr):
                 store.add_addrs(info.peer_id, info.addrs, REMEMBER_S)
 
     def connected_peers(self) -> list[str]:
@@ -388,7 +435,27 @@ class Node:
             raise NodeError(f"{peer!r} is not a peer id") from None
         if self.private and not await self.gate.admit(peer):
             raise PeerUnavailable(f"{peer} has not proven the swarm secret")
+        try:
+            return await self._host.new_stream(peer_id, [TProtocol(protocol)])
+        except Exception:
+            # py-libp2p dials only direct addresses on its own: a peer behind a NAT is reached through its relays
+            try:
+                known = self._host.get_peerstore().addrs(peer_id)
+            except Exception:  # noqa: BLE001 - py-libp2p raises for a peer it has no addresses of
+                known = []
+            circuits = [f"{a}/p2p/{peer}" for a in known if "/p2p-circuit" in str(a)]
+            if self.is_connected(peer) or not circuits or not await self._dial_any(circuits):
+                raise
         return await self._host.new_stream(peer_id, [TProtocol(protocol)])
+
+    async def _dial_any(self, addrs: list[str], timeout: float = 10.0) -> bool:
+        for addr in addrs:
+            try:
+                await self.connect_async(addr, timeout)
+                return True
+            except (PeerUnavailable, NodeError) as e:
+                log.debug("dial %s: %s", addr, e)
+        return False
 
     def _set_handler(self, protocol: str, wrapped: Callable[[Any], Any]) -> None:
         self._handlers[protocol] = wrapped

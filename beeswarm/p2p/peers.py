@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 from libp2p.abc import INotifee
+from libp2p.connection_types import ConnectionType
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,24 @@ def live_peers(host: Any) -> set[Any]:
     empty list, after the last connection closed: `get_connected_peers` still lists it.)"""
     return {peer for peer, conns in host.get_network().connections.items()
             if any(not getattr(c, "is_closed", False) for c in conns)}
+
+
+def direct_endpoint(host: Any, peer: Any) -> tuple[str, int] | None:
+    """Where `peer`'s open direct connection comes from, (ip, port) as this host sees it; None when there is
+    none, or only through a relay."""
+    for conn in host.get_network().connections.get(peer, []):
+        if getattr(conn, "is_closed", False):
+            continue
+        muxed = getattr(conn, "muxed_conn", conn)
+        try:
+            if muxed.get_connection_type() is ConnectionType.RELAYED:
+                continue
+            endpoint = muxed.get_remote_address()
+        except Exception:  # noqa: BLE001 - a connection type without these: not one we can tell about
+            continue
+        if endpoint:
+            return str(endpoint[0]), int(endpoint[1])
+    return None
 
 
 async def close_all(host: Any, timeout: float) -> None:

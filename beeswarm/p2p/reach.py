@@ -1,4 +1,5 @@
-"""How a node reaches the swarm: its bootstrap addresses, dialled and kept, and relay slots reserved.
+"""How a node reaches the swarm: its bootstrap addresses, dialled and kept, and relay slots kept while
+other hosts cannot dial it.
 
 Runs in the node's loop. `connect(info, timeout)` is the node's dial (bans checked, time bounded); it
 raises PeerUnavailable when the peer cannot be reached.
@@ -6,7 +7,10 @@ raises PeerUnavailable when the peer cannot be reached.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import multiaddr
@@ -84,27 +88,116 @@ class Bootstraps:
         return "; ".join(f"{addr}: {state[addr]}" for addr in sorted(set(self.addrs)))
 
 
+# A relay carries a private node's hidden states: generous per circuit, bounded per relay. A circuit that reaches
+# a limit is closed and dialled again; a reservation lasts an hour and is renewed at half-time.
+RELAY_LIMITS = RelayLimits(duration=3600, data=8 << 30, max_circuit_conns=32, max_reservations=64,
+                           reservation_ttl=3600)
+RELAYS_WANTED = 2  # reservations a private node keeps
+RENEW_AT = 0.5  # of a reservation's lifetime
+RELAY_RETRY_S = 120.0  # a relay that refused or could not be reached is tried again after this
+KEEP_S = 5.0  # how often the reservations are looked after
+
+
 def relay_protocol(host: Any, serve: bool) -> tuple[CircuitV2Protocol, RelayConfig]:
-    """Circuit relay v2 with limits fit for hidden states; `serve`: relay for peers that cannot be dialled."""
-    limits = RelayLimits(duration=24 * 3600, data=1 << 40, max_circuit_conns=64, max_reservations=64)
-    roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if serve else RelayRole(0))
-    return CircuitV2Protocol(host, limits=limits, allow_hop=serve), RelayConfig(roles=roles, limits=limits)
+    """Circuit relay v2: always the stop side (a private node accepts circuits), the hop side when `serve`.
+    No client role: py-libp2p's client reserves on every relay it dials through (`Relays` reserves)."""
+    roles = RelayRole.STOP | (RelayRole.HOP if serve else RelayRole(0))
+    return CircuitV2Protocol(host, limits=RELAY_LIMITS, allow_hop=serve), RelayConfig(roles=roles,
+                                                                                      limits=RELAY_LIMITS)
 
 
-async def reserve(host: Any, relay: Any, nursery: trio.Nursery, connect: Connect, relay_addr: str,
-                  me: str) -> str | None:
-    """Take a slot on a relay; returns the address peers can reach this node through (None: no slot)."""
-    try:
-        info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
-        await connect(info, 10.0)
-        with trio.fail_after(10.0):
-            stream = await host.new_stream(info.peer_id, [RELAY_HOP])
-            ok = await relay.reserve(stream, info.peer_id, nursery)
-    except Exception as e:  # noqa: BLE001
-        log.error("no reservation on relay %s: %s", relay_addr, e)
-        return None
-    if not ok:
-        log.error("relay %s refused a reservation", relay_addr)
-        return None
-    log.info("reachable through relay %s", relay_addr)
-    return f"{relay_addr}/p2p-circuit/p2p/{me}"
+@dataclass
+class Reservation:
+    relay: str  # the relay's address, ending in /p2p/<its id>
+    expires: float  # time.time() (the relay's clock)
+    taken: float  # time.time() when taken or renewed
+
+
+class Relays:
+    """The relay slots a node holds while other hosts cannot dial it: RELAYS_WANTED of them (and every
+    `fixed` one always), renewed before they expire, and taken elsewhere when a relay goes.
+
+    `wanted()`: whether this node needs relays now (it learnt it is private); `candidates()`: addresses
+    of members that offer relaying and are public. Runs in the node's loop (`keep`)."""
+
+    def __init__(self, host: Any, transport: Any, connect: Connect, me: str, fixed: list[str],
+                 candidates: Callable[[], Iterable[str]], wanted: Callable[[], bool],
+                 clock: Callable[[], float] = time.time):
+        self.host, self.transport, self.connect, self.me = host, transport, connect, me
+        self.fixed, self.candidates, self.wanted, self.clock = list(fixed), candidates, wanted, clock
+        self.held: dict[str, Reservation] = {}  # relay peer id -> reservation
+        self._failed: dict[str, float] = {}  # relay address -> when it last failed
+        self.note: str | None = None  # why this node holds no relay slot though it wants one
+
+    def addrs(self) -> list[str]:
+        """The addresses peers reach this node at through its relays."""
+        return [f"{r.relay}/p2p-circuit/p2p/{self.me}" for r in self.held.values()]
+
+    async def keep(self) -> None:
+        while True:
+            await self.tend()
+            await trio.sleep(KEEP_S)
+
+    async def tend(self) -> None:
+        now = self.clock()
+        live = {str(p) for p in self.host.get_network().connections if self._connected(p)}
+        for relay_id, r in list(self.held.items()):
+            if relay_id not in live or now >= r.expires:  # the relay went (or the slot lapsed): take another
+                log.info("relay %s lost (%s)", r.relay, "expired" if now >= r.expires else "disconnected")
+                del self.held[relay_id]
+            elif now >= r.taken + RENEW_AT * (r.expires - r.taken) and not await self._reserve(r.relay):
+                del self.held[relay_id]
+        wanted = self.wanted()
+        target = len(self.fixed) + (RELAYS_WANTED if wanted else 0)
+        offered = self.fixed + (self._ordered_candidates() if wanted else [])
+        for addr in offered:
+            relay_id = addr.rsplit("/p2p/", 1)[-1]
+            if len(self.held) >= target:
+                break
+            if relay_id not in self.held and relay_id != self.me and \
+                    now - self._failed.get(addr, -RELAY_RETRY_S) >= RELAY_RETRY_S:
+                await self._reserve(addr)
+        self.note = None if self.held or not target else (
+            "no relay: nobody can reach this node (it is behind a NAT or firewall) and no public member "
+            "offers relaying" if not offered else "no relay would take a reservation (see the log)")
+
+    def _ordered_candidates(self) -> list[str]:
+        seen: set[str] = set()
+        out = []
+        for addr in self.candidates():
+            relay_id = addr.rsplit("/p2p/", 1)[-1]
+            if relay_id not in seen and "/p2p-circuit" not in addr:
+                seen.add(relay_id)
+                out.append(addr)
+        random.shuffle(out)  # spread private nodes over the public ones
+        return out
+
+    def _connected(self, peer: Any) -> bool:
+        return any(not getattr(c, "is_closed", False) for c in self.host.get_network().connections.get(peer, []))
+
+    async def _reserve(self, relay_addr: str) -> bool:
+        """Take (or renew) a slot on a relay. py-libp2p's `reserve` starts a renewal worker that spins without
+        pause once a renewal fails and stops for good once a slot lapses, so the RESERVE exchange is used alone."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
+            await self.connect(info, 10.0)
+            with trio.fail_after(10.0):
+                stream = await self.host.new_stream(info.peer_id, [RELAY_HOP])
+                try:
+                    ok = await self.transport._make_reservation(stream, info.peer_id)
+                finally:
+                    await stream.close()
+        except Exception as e:  # noqa: BLE001
+            log.info("no reservation on relay %s: %s", relay_addr, e)
+            ok = False
+        if not ok:
+            self._failed[relay_addr] = self.clock()
+            return False
+        now = self.clock()
+        expires = float(self.transport._reservations.get(info.peer_id) or now + RELAY_LIMITS.reservation_ttl)
+        renewed = str(info.peer_id) in self.held
+        self.held[str(info.peer_id)] = Reservation(relay_addr, expires, now)
+        if not renewed:
+            log.info("reachable through relay %s (until %s)", relay_addr, time.strftime("%H:%M:%S",
+                                                                                       time.localtime(expires)))
+        return True

@@ -8,6 +8,7 @@ import msgspec
 
 from beeswarm import __version__
 from beeswarm.protocol.encoding import Message
+from beeswarm.protocol.reach import Reach
 from beeswarm.protocol.session import PeerId
 from beeswarm.protocol.spans import Span
 
@@ -41,6 +42,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     sessions: Annotated[int, msgspec.Meta(ge=0)] = 0  # open sessions on its spans
     beat_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0  # the author's heartbeat period (0: unknown)
     state: State = "joining"
+    reach: Reach = "unknown"  # whether other hosts can dial it (public), only through a relay (private)
+    relay: bool = False  # it relays circuits for members others cannot dial (taken up where it is public)
     version: Short = __version__
     links: Annotated[dict[PeerId, Link], msgspec.Meta(max_length=MAX_LINKS)] = {}
 
