@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from beeswarm.contributor.local import budgets
-from helpers import lines_of, read_until, reference_greedy
+from helpers import lines_of, read_until, reference_greedy, wait_for
 from netbed import Host, NetBed, require_netns
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
@@ -105,3 +106,97 @@ def test_a_user_at_home_chats_through_contributors_at_home(swarm):
     members = {m["peer"]: m for m in swarm.status(carol)["members"]}
     assert {peer: members[peer]["reach"] for peer in (boot, alice, bob)} == \
         {boot: "public", alice: "private", bob: "private"}
+
+
+def expected_text(n: int) -> str:
+    from transformers import AutoTokenizer
+
+    from beeswarm.shard import checkpoint
+
+    tokens = expected_tokens(n)
+    return AutoTokenizer.from_pretrained(str(checkpoint.resolve(MODEL))).decode(tokens, skip_special_tokens=True)
+
+
+def test_a_contributor_behind_a_symmetric_nat_serves_through_a_relay(swarm):
+    """A symmetric NAT gives every destination its own outer port: nothing can punch through it, so the
+    contributor behind it is reached through the public member that relays for it."""
+    bed = swarm.bed
+    half = budgets(MODEL, 2)[0]
+    boot = swarm.contribute(bed.public_host("boot"), "boot", half)
+    dave = swarm.contribute(bed.behind(bed.home_router("carrier", symmetric=True), "dave"), "dave", half)
+    reply = swarm.chat(bed.public_host("user"), "user")
+    assert reply["tokens"] == expected_tokens(8)
+    assert {s["peer"] for s in reply["route"]} == {boot, dave}
+    members = {m["peer"]: m["reach"] for m in swarm.status(bed.public_host("watcher"))["members"]}
+    assert members[dave] == "private" and members[boot] == "public"
+
+
+def test_a_swarm_idle_past_the_routers_nat_timeout_still_serves(swarm):
+    """Home routers forget an idle TCP flow after as little as 30 s; the swarm keeps its own flows busy."""
+    bed = swarm.bed
+    half = budgets(MODEL, 2)[0]
+    swarm.contribute(bed.public_host("boot"), "boot", half // 8)
+    alice = swarm.contribute(bed.behind(bed.home_router("home1", idle_timeout_s=30), "alice"), "alice", half)
+    bob = swarm.contribute(bed.behind(bed.home_router("home2", idle_timeout_s=30), "bob"), "bob", half)
+    user = bed.behind(bed.home_router("home3", idle_timeout_s=30), "carol")
+    assert swarm.chat(user, "first")["tokens"] == expected_tokens(8)
+    time.sleep(60)
+    reply = swarm.chat(user, "second")
+    assert reply["tokens"] == expected_tokens(8) and {s["peer"] for s in reply["route"]} == {alice, bob}
+
+
+def test_serve_behind_a_home_router_answers_a_client_in_the_same_home(swarm):
+    bed = swarm.bed
+    half = budgets(MODEL, 2)[0]
+    swarm.contribute(bed.public_host("boot"), "boot", half)
+    home = bed.home_router("home1")
+    swarm.contribute(bed.behind(home, "alice"), "alice", half)
+    server = bed.behind(home, "server")
+    proc = swarm.command(server, "serve", "serve", "--join", swarm.boot, "--model", MODEL, "--host", "0.0.0.0",
+                         "--port", "8000", "--json", "--heartbeat", "1")
+    read_until(lines_of(proc), '{"event": "serving"', 120)
+    client = bed.behind(home, "laptop")
+    script = ("import openai, sys\n"
+              "c = openai.OpenAI(base_url=sys.argv[1], api_key='none', max_retries=0, timeout=120)\n"
+              "chunks = list(c.completions.create(model=sys.argv[2], prompt=sys.argv[3], max_tokens=8,"
+              " temperature=0, stream=True))\n"
+              "print(len(chunks)); print(''.join(ch.choices[0].text for ch in chunks if ch.choices), end='')\n")
+    out = client.run([sys.executable, "-c", script, f"http://{server.addr}:8000/v1", MODEL, PROMPT], timeout=180,
+                     env=swarm.env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, text = out.stdout.split("\n", 1)
+    assert int(count) > 2 and text == expected_text(8)
+
+
+def test_a_generation_survives_the_relays_of_a_private_stage_going(swarm):
+    TOKENS = 256  # noqa: N806 - long enough to be under way when the relays go
+    """Both relays a private stage holds slots on are killed mid-generation: it takes a slot on the third
+    public relay, announces it, the entry reaches it there, and the generation ends with the same tokens."""
+    bed = swarm.bed
+    half = budgets(MODEL, 2)[0]
+    swarm.contribute(bed.public_host("boot"), "boot", half, "--no-relay-service")
+    relays = {swarm.contribute(bed.public_host(f"relay{i}"), f"relay{i}", half // 8): i for i in range(3)}
+    procs = dict(zip(relays, swarm.procs[1:]))
+    dave = swarm.contribute(bed.behind(bed.home_router("home1"), "dave"), "dave", half)
+    watcher = bed.public_host("watcher")
+
+    def held() -> set[str]:
+        info = next((m for m in swarm.status(watcher)["members"] if m["peer"] == dave), None)
+        return {a.split("/p2p/")[1].split("/")[0] for a in (info or {}).get("addrs", []) if "/p2p-circuit" in a}
+
+    first = wait_for(lambda: len(held()) == 2 and held(), 90, "the private stage's two relay slots")
+    user = bed.behind(bed.home_router("home2"), "user")  # private too: the two reach each other only through relays
+    chat = swarm.command(user, "user", "chat", "--join", swarm.boot, "--model", MODEL, "--greedy",
+                         "--no-spec", "--max-new-tokens", str(TOKENS), "--heartbeat", "1", "--prompt", PROMPT)
+    out = chat.stdout.read(1)  # the first piece of text: the generation is under way
+    for relay in first:
+        procs[relay].kill()
+    assert chat.poll() is None, "the generation ended before the relays went"
+    out += chat.stdout.read()
+    code = chat.wait(timeout=240)
+    log = (swarm.logs / "user.log").read_text()
+    assert code == 0, log[-3000:]
+    assert out.strip() == expected_text(TOKENS).strip()
+    assert "stage failed" in log, f"the generation never noticed the relays going: {log[-3000:]}"
+    (third,) = set(relays) - first
+    assert third in wait_for(lambda: third in held() and held(), 60, "a slot on the third relay")

@@ -31,6 +31,7 @@ class MemberRow:
     version: str
     coordinator: bool = False
     reach: str = "unknown"  # public (others dial it), private (behind a NAT: through a relay), unknown
+    addrs: tuple[str, ...] = ()  # where it is dialled (relayed ones through .../p2p-circuit/...)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class StatusReport:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "members": [{"peer": m.peer, "role": m.role, "state": m.state, "reach": m.reach,
+            "members": [{"peer": m.peer, "role": m.role, "state": m.state, "reach": m.reach, "addrs": list(m.addrs),
                          "spans": [[s.start, s.end] for s in m.spans], "device": m.device,
                          "tokens_per_s": round(m.tokens_per_s, 2), "busy": m.busy,
                          "heartbeat_age_s": round(m.heartbeat_age_s, 2),
@@ -132,7 +133,8 @@ def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], pl
                               spans=info.spans or ((info.layers,) if info.layers else ()), device=info.device,
                               tokens_per_s=info.load, busy=info.busy,
                               heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
-                              version=info.version, coordinator=peer == coordinator, reach=info.reach)
+                              version=info.version, coordinator=peer == coordinator, reach=info.reach,
+                              addrs=info.addrs)
                     for peer, info in sorted(view.items(), key=lambda kv: _order(kv[1])))
     return StatusReport(members, num_layers, _segments(num_layers, serving), coordinator, term, epoch, plan)
 
