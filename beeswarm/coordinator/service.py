@@ -72,7 +72,7 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
         b = info.bench
         base = b.get("layer_ms_base")  # a peer may send null: such a node is not benchmarked yet
         if info.role != "contributor" or info.state in ("paused", "leaving") or base is None or \
-                info.quant != model.quant:
+                info.quant != model.quant or unreachable(info):
             continue
         rtts = {other: link[0] for other, link in info.links.items()}
         up = statistics.median([v[1] for v in info.links.values()]) if info.links else DEFAULT_LINK[1]
@@ -91,11 +91,21 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
 OTHER_FORMAT_SHOWN = 32  # a plan names at most this many (it holds MAX_STAGES exclusions in all)
 
 
-def other_format(members: dict[str, NodeInfo], quant: str) -> tuple[Exclusion, ...]:
-    """Contributors serving weights in another format than `quant`: left out of plans, and told why."""
-    return tuple(Exclusion(peer, f"serves {info.quant[:16]} weights; this swarm serves {quant}")
+def unreachable(info: NodeInfo) -> bool:
+    """Nobody can dial it (behind a NAT) and no relay serves it: a plan must not assume a link to it."""
+    return info.reach == "private" and not any("/p2p-circuit" in addr for addr in info.addrs)
+
+
+UNREACHABLE = "nobody can dial it (behind a NAT or firewall) and no relay serves it"
+
+
+def left_out(members: dict[str, NodeInfo], quant: str) -> tuple[Exclusion, ...]:
+    """Contributors left out of plans for a reason of their own, and told why: serving weights in another format
+    than `quant`, or unreachable."""
+    return tuple(Exclusion(peer, f"serves {info.quant[:16]} weights; this swarm serves {quant}"
+                           if info.quant != quant else UNREACHABLE)
                  for peer, info in sorted(members.items())
-                 if info.role == "contributor" and info.quant != quant)[:OTHER_FORMAT_SHOWN]
+                 if info.role == "contributor" and (info.quant != quant or unreachable(info)))[:OTHER_FORMAT_SHOWN]
 
 
 def pipelines_tokens_per_s(cluster: Cluster, pipelines: tuple[Pipeline, ...]) -> float | None:
@@ -231,13 +241,15 @@ class Coordinator:
     def _stand(self) -> Lease | None:
         """Tick the election as a candidate (while this node may lead); the lease claimed, if it just did."""
         contributors = {p: info for p, info in self.members.view().items() if info.role == "contributor"}
-        # a node serving weights in another format than the swarm's plan never leads it (nor is deferred to)
-        candidates = {p for p, info in contributors.items() if info.quant == self.model.quant}
+        # a node serving weights in another format than the swarm's plan never leads it (nor is deferred to), nor
+        # does one that others cannot dial (every member must reach its coordinator)
+        candidates = {p for p, info in contributors.items()
+                      if info.quant == self.model.quant and info.reach != "private"}
         state = self.state
         # (unless nobody serves the plan's format any more: then the swarm needs a leader of another)
         same_format = not state.epoch or state.quant == self.model.quant or not any(
             info.quant == state.quant for info in contributors.values())
-        return self.follower.tick(candidates, self.eligible and same_format)
+        return self.follower.tick(candidates, self.eligible and same_format and self.members.info.reach != "private")
 
     async def _loop(self) -> None:
         last_replan = 0.0
@@ -277,7 +289,7 @@ class Coordinator:
         view = {peer: info for peer, info in {**self.members.view(), self.node.peer_id: self.members.info}.items()
                 if peer not in sentenced}
         cluster = cluster_from_members(view, self.model, self.workload)
-        others = other_format(view, self.model.quant)  # not in the cluster, named in the plan: a change counts
+        others = left_out(view, self.model.quant)  # not in the cluster, named in the plan: a change counts
         given = lambda: (cluster, self.state.term, self.state.epoch, frozenset(sentenced), others)  # noqa: E731
         if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
             return  # nothing the plan depends on changed
@@ -288,7 +300,7 @@ class Coordinator:
 
     async def plan_epoch(self, cluster: Cluster, view: dict[str, NodeInfo], others: tuple[Exclusion, ...] = ()) -> None:
         """Plan `cluster` and publish the result as the next epoch, unless it changes nothing or the lease was
-        lost while the planner ran. `others`: the contributors left out for serving another weight format."""
+        lost while the planner ran. `others`: the contributors left out for a reason of their own (`left_out`)."""
         try:
             result = await trio.to_thread.run_sync(self.planner, cluster)
         except PlanError as e:

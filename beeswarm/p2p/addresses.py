@@ -16,6 +16,7 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 import multiaddr
 import psutil
@@ -23,6 +24,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 UNSPECIFIED = ("/ip4/0.0.0.0/", "/ip6/::/")
+T = TypeVar("T", str, multiaddr.Multiaddr)
 
 
 def unspecified(addr: str) -> bool:
@@ -82,9 +84,10 @@ def concrete(addrs: Sequence[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
     return out
 
 
-def announced(addrs: Sequence[str]) -> list[str]:
-    """What a node tells other hosts of `addrs` (its concrete addresses): loopback ones only if it has no other."""
-    others = [a for a in addrs if not _loopback(a)]
+def announced(addrs: Sequence[T]) -> list[T]:
+    """What a node tells other hosts of `addrs` (its concrete addresses, multiaddrs or their text): loopback ones
+    only if it has no other."""
+    others = [a for a in addrs if not _loopback(str(a))]
     return others if others else list(addrs)
 
 

@@ -194,7 +194,7 @@ class Node:
                 for protocol, wrapped in self._handlers.items():
                     host.set_stream_handler(TProtocol(protocol), wrapped)
                 async with background_trio_service(self._pubsub), background_trio_service(router), \
-                        background_trio_service(circuits):
+                        background_trio_service(circuits), background_trio_service(reach.HolePunching(host)):
                     self._relay = CircuitV2Transport(host, circuits, relay_config)
                     self.relays = reach.Relays(host, self._relay, self._connect, self.peer_id, self.config.relays,
                                                self._relay_candidates, self._needs_relays)

@@ -41,7 +41,11 @@ class ConnectionWatcher(INotifee):
         pass
 
     async def connected(self, network: Any, conn: Any) -> None:
-        self._connected(str(conn.muxed_conn.peer_id))
+        peer = conn.muxed_conn.peer_id
+        if not _relayed(conn) and any(_relayed(c) for c in network.connections.get(peer, []) if c is not conn):
+            log.info("direct connection to %s, which was reached through a relay: a hole punched through the NATs",
+                     peer)
+        self._connected(str(peer))
 
     async def disconnected(self, network: Any, conn: Any) -> None:
         self._disconnected(str(conn.muxed_conn.peer_id))
@@ -60,17 +64,21 @@ def live_peers(host: Any) -> set[Any]:
             if any(not getattr(c, "is_closed", False) for c in conns)}
 
 
+def _relayed(conn: Any) -> bool:
+    try:
+        return getattr(conn, "muxed_conn", conn).get_connection_type() is ConnectionType.RELAYED
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def direct_endpoint(host: Any, peer: Any) -> tuple[str, int] | None:
     """Where `peer`'s open direct connection comes from, (ip, port) as this host sees it; None when there is
     none, or only through a relay."""
     for conn in host.get_network().connections.get(peer, []):
-        if getattr(conn, "is_closed", False):
+        if getattr(conn, "is_closed", False) or _relayed(conn):
             continue
-        muxed = getattr(conn, "muxed_conn", conn)
         try:
-            if muxed.get_connection_type() is ConnectionType.RELAYED:
-                continue
-            endpoint = muxed.get_remote_address()
+            endpoint = getattr(conn, "muxed_conn", conn).get_remote_address()
         except Exception:  # noqa: BLE001 - a connection type without these: not one we can tell about
             continue
         if endpoint:

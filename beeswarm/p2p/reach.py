@@ -17,6 +17,7 @@ import multiaddr
 import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -98,6 +99,24 @@ RELAY_RETRY_S = 120.0  # a relay that refused or could not be reached is tried a
 KEEP_S = 5.0  # how often the reservations are looked after
 
 
+class HolePunching(DCUtRProtocol):
+    """DCUtR (a peer reached only through a relay is offered a simultaneous dial; both sides run it), saying
+    once per peer when no hole could be punched, as behind a NAT that gives each destination its own port."""
+
+    def __init__(self, host: Any):
+        super().__init__(host)
+        self._told: set[Any] = set()
+
+    async def initiate_hole_punch(self, peer_id: Any) -> bool:
+        ok: bool = await super().initiate_hole_punch(peer_id)
+        if not ok and peer_id not in self._told:
+            self._told.add(peer_id)
+            log.info("no hole could be punched to %s (a NAT on the way gives each destination its own port, or "
+                     "drops the simultaneous dial): the link stays relayed (DCUtR tries %d times)", peer_id,
+                     MAX_HOLE_PUNCH_ATTEMPTS)
+        return ok
+
+
 def relay_protocol(host: Any, serve: bool) -> tuple[CircuitV2Protocol, RelayConfig]:
     """Circuit relay v2: always the stop side (a private node accepts circuits), the hop side when `serve`.
     No client role: py-libp2p's client reserves on every relay it dials through (`Relays` reserves)."""
@@ -157,9 +176,14 @@ class Relays:
             if relay_id not in self.held and relay_id != self.me and \
                     now - self._failed.get(addr, -RELAY_RETRY_S) >= RELAY_RETRY_S:
                 await self._reserve(addr)
-        self.note = None if self.held or not target else (
-            "no relay: nobody can reach this node (it is behind a NAT or firewall) and no public member "
-            "offers relaying" if not offered else "no relay would take a reservation (see the log)")
+        note = None if self.held or not target else (
+            "nobody can reach this node (it is behind a NAT or firewall) and no public member of the swarm "
+            "relays: it cannot serve until one does (or its router forwards a port to it: --announce)"
+            if not offered else "nobody can reach this node (it is behind a NAT or firewall) and no relay took a "
+                                "reservation (see the log above)")
+        if note and note != self.note:
+            log.warning("%s", note)
+        self.note = note
 
     def _ordered_candidates(self) -> list[str]:
         seen: set[str] = set()

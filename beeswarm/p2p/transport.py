@@ -24,7 +24,9 @@ def new_host(identity: Identity, announce: list[str], secret: bytes | None) -> A
         sec_opt={NOISE_PROTOCOL_ID: noise},  # the default also accepts plaintext peers
         muxer_preference="YAMUX",
         connection_config=ConnectionConfig(max_connections_per_peer=1),
-        addrs_factory=lambda found: addresses.concrete([multiaddr.Multiaddr(a) for a in announce] or found),
+        # what identify and signed records tell peers: no 0.0.0.0, no loopback (unless there is nothing else)
+        addrs_factory=lambda found: addresses.announced(
+            addresses.concrete([multiaddr.Multiaddr(a) for a in announce] or found)),
         psk=auth.pnet_key(secret) if secret else None,
     )
     # py-libp2p's auto-connector dials every peer in the peerstore up to 150 connections: a full mesh, N^2
