@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from beeswarm.contributor.local import budgets
+from beeswarm.coordinator.service import UNREACHABLE
 from helpers import lines_of, read_until, reference_greedy, wait_for
 from netbed import Host, NetBed, require_netns
 
@@ -219,3 +220,19 @@ def test_a_generation_survives_the_relays_of_a_private_stage_going(swarm):
     assert third in wait_for(lambda: third in held() and held(), 60, "a slot on the third relay")
 
 
+
+
+def test_a_contributor_nobody_can_reach_is_told_why_and_left_out_of_plans(swarm):
+    bed = swarm.bed
+    half = budgets(MODEL, 2)[0]
+    swarm.contribute(bed.public_host("boot"), "boot", budgets(MODEL, 1)[0], "--no-relay-service")  # all of it
+    alice = swarm.contribute(bed.behind(bed.home_router("home1"), "alice"), "alice", half)
+    watcher = bed.public_host("watcher")
+
+    def excluded() -> str | None:
+        plan = swarm.status(watcher)["plan"] or {}
+        return next((e["reason"] for e in plan.get("excluded", []) if e["node"] == alice), None)
+
+    wait_for(lambda: excluded() == UNREACHABLE, 60, "the plan to leave the unreachable contributor out, saying why")
+    log = (swarm.logs / "alice.log").read_text()
+    assert log.count("nobody can reach this node") == 1, log[-3000:]

@@ -397,3 +397,23 @@ def test_a_channel_closed_locally_leaves_no_reader_behind(mesh):
         channel.close()
     # (a few tasks come and go with the connection's own traffic: 20 readers left behind would not)
     wait_for(lambda: a.stats().tasks < before + 5, 5, "the closed channels' readers to end")
+
+
+def test_a_relay_slot_is_renewed_before_it_lapses_and_taken_again_when_its_connection_drops(mesh):
+    (relay,) = mesh(1, members=False, setup=lambda n: setattr(n.config, "relay_service", True))
+    relay_addr = relay.addrs[0]
+    (node,) = mesh(1, members=False, bootstrap=[], setup=lambda n: setattr(n.config, "relays", [relay_addr]))
+    slots = node.relays
+    first = wait_for(lambda: slots.held.get(relay.peer_id), 10, "a slot on the relay")
+    assert node.addrs[-1] == f"{relay_addr}/p2p-circuit/p2p/{node.peer_id}"
+    now = [first.taken + 0.6 * (first.expires - first.taken)]  # past half its lifetime
+    slots.clock = lambda: now[0]
+    node.call(slots.tend)
+    renewed = slots.held[relay.peer_id]
+    assert renewed.taken == now[0] and renewed.expires >= first.expires
+    node.call(node.disconnect_async, relay.peer_id)  # the connection to the relay drops: the slot with it
+    wait_for(lambda: not node.is_connected(relay.peer_id), 10, "the connection to close")
+    now[0] += 1.0
+    node.call(slots.tend)  # dropped, and taken again at once (the relay itself never failed)
+    again = slots.held[relay.peer_id]
+    assert again.taken == now[0] and node.is_connected(relay.peer_id)

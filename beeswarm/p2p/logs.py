@@ -27,7 +27,7 @@ INTERVAL_S = 10.0
 # py-libp2p logs these at ERROR and raises the same failure to its caller, who reports it with context
 # (which peer, which bootstrap address): shown at DEBUG only, so a refused dial is one line, ours.
 RAISED_TOO = ("Failed to open TCP stream", "Unexpected error opening TCP stream", "MultiselectClient handshake:",
-              "failed to upgrade security for peer",
+              "failed to upgrade security for peer", "Failed to open stream to peer",
               # and its relay logs every circuit that ends as an ERROR: yamux's close and reset are not the mplex
               # exceptions it knows as an end of stream (relay/circuit_v2/protocol.py:278)
               "Error reading from hop stream", "Unexpected error reading from stream", "Error relaying data",
