@@ -352,6 +352,7 @@ def table(result: dict) -> str:
         ("generations completed", result["completed"]),
         ("wrong (tokens differ from the one-process reference)", result["wrong"]),
         ("lost (generate raised)", result["lost"]),
+        ("signed peer records refused (\"invalid-signed-record\" in the logs)", result["invalid_signed_records"]),
         ("faults: kill -9 / SIGSTOP", f"{result['faults']['kill']} / {result['faults']['stop']}"),
         ("faults on the active route / on the coordinator",
          f"{result['faults_on_serving']} / {result['faults_on_coordinator']}"),
@@ -384,6 +385,12 @@ def settle(client: SwarmClient, quiet_s: float = 5.0, timeout: float = 60.0) -> 
 
 
 # --- main -------------------------------------------------------------------------------------------
+def invalid_records(logs: Path) -> int:
+    """Lines in every log saying a peer's signed peer record was refused (an honest swarm sends none)."""
+    return sum(line.count("invalid-signed-record") for f in logs.glob("*.log")
+               for line in f.read_text(errors="replace").splitlines())
+
+
 def run(args) -> dict:
     rng = random.Random(args.seed)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))
@@ -454,7 +461,7 @@ def run(args) -> dict:
                        "new_tokens": args.new_tokens, "contributors": args.contributors,
                        "contributors_started": len(swarm.children), "still_running": [t.name for t in threads
                                                                                        if t.is_alive()],
-                       "logs": str(logs),
+                       "logs": str(logs), "invalid_signed_records": invalid_records(logs),
                        "events": [{**e, "t": round(e["t"] - t0, 2)} for e in chaos.events],
                        "peers": {c.index: c.peer for c in swarm.children}})
         return result
