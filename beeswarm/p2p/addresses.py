@@ -15,7 +15,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 import multiaddr
@@ -82,6 +82,16 @@ def concrete(addrs: Sequence[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
                 seen.add(one)
                 out.append(addr if one == text else multiaddr.Multiaddr(one))
     return out
+
+
+def tcp_ports(addrs: Iterable[str]) -> tuple[int, ...]:
+    """The TCP ports of direct addresses (a relayed one's port is its relay's)."""
+    ports = []
+    for addr in addrs:
+        parts = addr.split("/")
+        if "/p2p-circuit" not in addr and len(parts) > 4 and parts[3] == "tcp":
+            ports.append(int(parts[4]))
+    return tuple(dict.fromkeys(ports))
 
 
 def announced(addrs: Sequence[T]) -> list[T]:

@@ -174,6 +174,39 @@ class ChannelPool:
             channel.close()
 
 
+async def accept(host: Host, protocol: str, on_channel: Callable[[Channel], None], limit: int, stream: Any) -> None:
+    """An inbound channel on `protocol` (a stream handler): admitted, handed to `on_channel` in a worker thread,
+    then read."""
+    peer = str(stream.muxed_conn.peer_id)
+    if not await host.gate.admit(peer):
+        await quiet_reset(stream)
+        return
+    channel = Channel(host, stream, peer, protocol, limit)
+    try:
+        await trio.to_thread.run_sync(on_channel, channel)
+        host.spawn(channel.run_reader)  # after the handler, so it can set on_frame first
+    except Exception:  # noqa: BLE001
+        log.exception("channel handler for %s failed", protocol)
+        channel.mark_closed("handler failed")
+        await quiet_reset(stream)
+
+
+async def open_channel(host: Host, peer: str, protocol: str, timeout: float, limit: int) -> Channel:
+    """A channel to `peer` on `protocol`, its reader started (in the host's loop)."""
+    try:
+        with trio.fail_after(timeout):
+            stream = await host.open_stream(peer, protocol)
+    except trio.TooSlowError:
+        raise TimeoutError(f"opening {protocol} to {peer} timed out") from None
+    except (PeerUnavailable, NodeError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise PeerUnavailable(f"{protocol} to {peer}: {type(e).__name__}: {e}") from None
+    channel = Channel(host, stream, peer, protocol, limit)
+    host.spawn(channel.run_reader)
+    return channel
+
+
 async def quiet_reset(stream: Any) -> None:
     try:
         await stream.reset()

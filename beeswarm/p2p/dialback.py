@@ -123,6 +123,15 @@ class Reachability:
                      sum(bool(a.dialable) for a in self.answers.values()), len(self.answers), self.observed_ip)
         return self.reach
 
+    def public_addrs(self, peer_id: str) -> list[str]:
+        """Where peers dialled this node at its public address: behind a port forward the host knows only its
+        private address, so these are announced first."""
+        seen = self.observed_ip
+        if self.reach != "public" or not seen or not is_public(seen):
+            return []
+        ports = sorted({port for a in self.answers.values() if a.observed_ip == seen for port in a.dialable})
+        return [f"/ip4/{seen}/tcp/{port}/p2p/{peer_id}" for port in ports]
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the answers of peers no longer connected (their word is about addresses that may have changed)."""
         kept = set(keep)

@@ -26,9 +26,9 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
-from beeswarm.p2p import addresses, auth, dialback, hardening, logs, peers, reach, topics, transport, tuning
+from beeswarm.p2p import addresses, auth, channel, dialback, hardening, logs, peers, reach, topics, transport, tuning
 from beeswarm.p2p.bans import BanList
-from beeswarm.p2p.channel import Channel, quiet_reset, reason, within
+from beeswarm.p2p.channel import Channel, reason, within
 from beeswarm.p2p.errors import NodeError, NodeFailed, PeerUnavailable
 from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.peers import NodeStats
@@ -97,8 +97,8 @@ class Node:
         # Whether other hosts can dial this node: peers dial it back (dialback.py), and it dials them back.
         self.reachability = dialback.Reachability()
         self.serve(ids.DIALBACK, dialback.DialBackServer(self._direct_ip).answer, _dialbacks)
-        self.add_task(functools.partial(dialback.keep_learning, self.reachability, self._direct_peers,
-                                        self._listen_ports, self._ask_dialback))
+        self.add_task(functools.partial(dialback.keep_learning, self.reachability,
+                                        lambda: peers.direct_peers(self._host), self._listen_ports, self._ask_dialback))
 
     @property
     def private(self) -> bool:
@@ -278,12 +278,8 @@ class Node:
             text = str(a)
             if not addresses.unspecified(text) and "/p2p-circuit" not in text:  # nobody can dial 0.0.0.0
                 out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
-        seen = self.reachability.observed_ip
-        if self.reachability.reach == "public" and seen and addresses.is_public(seen):
-            # behind a port forward the host knows only its private address: the one peers dialled it at first
-            ports = {a.dialable for a in self.reachability.answers.values() if a.observed_ip == seen}
-            observed = [f"/ip4/{seen}/tcp/{port}/p2p/{self.peer_id}" for port in sorted(set().union(*ports))]
-            out = observed + [a for a in out if a not in observed]
+        observed = self.reachability.public_addrs(self.peer_id)
+        out = observed + [a for a in out if a not in observed]
         return addresses.announced(out) + (self.relays.addrs() if self.relays else [])
 
     def _needs_relays(self) -> bool:
@@ -293,19 +289,11 @@ class Node:
         return [addr for candidates in self.relay_candidates for addr in candidates()]
 
     def _listen_ports(self) -> tuple[int, ...]:
-        ports = []
-        for a in self._host.get_addrs() if self._host is not None else ():
-            parts = str(a).split("/")
-            if "/p2p-circuit" not in str(a) and len(parts) > 4 and parts[3] == "tcp":
-                ports.append(int(parts[4]))
-        return tuple(dict.fromkeys(ports))
+        return addresses.tcp_ports(str(a) for a in self._host.get_addrs()) if self._host is not None else ()
 
     def _direct_ip(self, peer: str) -> str | None:
         endpoint = peers.direct_endpoint(self._host, _peer_id(peer)) if self._host is not None else None
         return endpoint[0] if endpoint else None
-
-    def _direct_peers(self) -> list[str]:
-        return [str(p) for p in self._live_peers() if peers.direct_endpoint(self._host, p)]
 
     async def _ask_dialback(self, peer: str, request: DialBack) -> DialedBack:
         reply: DialedBack = await self.requests.request(peer, ids.DIALBACK, encode(request), _dialed_back,
@@ -439,23 +427,9 @@ class Node:
             return await self._host.new_stream(peer_id, [TProtocol(protocol)])
         except Exception:
             # py-libp2p dials only direct addresses on its own: a peer behind a NAT is reached through its relays
-            try:
-                known = self._host.get_peerstore().addrs(peer_id)
-            except Exception:  # noqa: BLE001 - py-libp2p raises for a peer it has no addresses of
-                known = []
-            circuits = [f"{a}/p2p/{peer}" for a in known if "/p2p-circuit" in str(a)]
-            if self.is_connected(peer) or not circuits or not await self._dial_any(circuits):
+            if self.is_connected(peer) or not await reach.dial_relayed(self._host, peer_id, self.connect_async):
                 raise
         return await self._host.new_stream(peer_id, [TProtocol(protocol)])
-
-    async def _dial_any(self, addrs: list[str], timeout: float = 10.0) -> bool:
-        for addr in addrs:
-            try:
-                await self.connect_async(addr, timeout)
-                return True
-            except (PeerUnavailable, NodeError) as e:
-                log.debug("dial %s: %s", addr, e)
-        return False
 
     def _set_handler(self, protocol: str, wrapped: Callable[[Any], Any]) -> None:
         self._handlers[protocol] = wrapped
@@ -483,42 +457,13 @@ class Node:
     # channels ---------------------------------------------------------------------------------
     def serve_channel(self, protocol: str, on_channel: Callable[[Channel], None], limit: int | None = None) -> None:
         """Accept channels on `protocol`; `on_channel` runs in a worker thread and should return quickly."""
-        self._set_handler(protocol, functools.partial(self._on_channel_stream, protocol, on_channel,
+        self._set_handler(protocol, functools.partial(channel.accept, self, protocol, on_channel,
                                                       limit or self.config.max_tensor_bytes))
 
-    async def _on_channel_stream(self, protocol: str, on_channel: Callable[[Channel], None], limit: int,
-                                 stream: Any) -> None:
-        peer = str(stream.muxed_conn.peer_id)
-        if not await self.gate.admit(peer):
-            await quiet_reset(stream)
-            return
-        channel = Channel(self, stream, peer, protocol, limit)
-        try:
-            await trio.to_thread.run_sync(on_channel, channel)
-            self.spawn(channel.run_reader)  # after the handler, so it can set on_frame first
-        except Exception:  # noqa: BLE001
-            log.exception("channel handler for %s failed", protocol)
-            channel.mark_closed("handler failed")
-            await quiet_reset(stream)
-
     def open_channel(self, peer: str, protocol: str, timeout: float = 10.0, limit: int | None = None) -> Channel:
-        channel: Channel = self.call(self._open_channel, peer, protocol, timeout,
-                                     limit or self.config.max_tensor_bytes)
-        return channel
-
-    async def _open_channel(self, peer: str, protocol: str, timeout: float, limit: int) -> Channel:
-        try:
-            with trio.fail_after(timeout):
-                stream = await self.open_stream(peer, protocol)
-        except trio.TooSlowError:
-            raise TimeoutError(f"opening {protocol} to {peer} timed out") from None
-        except (PeerUnavailable, NodeError):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise PeerUnavailable(f"{protocol} to {peer}: {type(e).__name__}: {e}") from None
-        channel = Channel(self, stream, peer, protocol, limit)
-        self.spawn(channel.run_reader)
-        return channel
+        opened: Channel = self.call(channel.open_channel, self, peer, protocol, timeout,
+                                    limit or self.config.max_tensor_bytes)
+        return opened
 
     # publish / subscribe ----------------------------------------------------------------------
     def topic(self, name: str) -> str:

@@ -86,6 +86,11 @@ def direct_endpoint(host: Any, peer: Any) -> tuple[str, int] | None:
     return None
 
 
+def direct_peers(host: Any) -> list[str]:
+    """Peers this host has a direct (not relayed) connection to."""
+    return [str(peer) for peer in live_peers(host) if direct_endpoint(host, peer)] if host is not None else []
+
+
 async def close_all(host: Any, timeout: float) -> None:
     """Close every connection, all at once (py-libp2p's own shutdown left them open: their peers saw the node
     connected until its process exited, and a process that stops nodes kept their sockets)."""

@@ -23,7 +23,7 @@ from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
 
 from beeswarm.p2p import addresses
-from beeswarm.p2p.errors import PeerUnavailable
+from beeswarm.p2p.errors import NodeError, PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,23 @@ class HolePunching(DCUtRProtocol):
                      "drops the simultaneous dial): the link stays relayed (DCUtR tries %d times)", peer_id,
                      MAX_HOLE_PUNCH_ATTEMPTS)
         return ok
+
+
+async def dial_relayed(host: Any, peer_id: Any, connect: Callable[[str, float], Awaitable[str]],
+                       timeout: float = 10.0) -> bool:
+    """Connect to `peer_id` through any of the relayed addresses the peerstore has for it (py-libp2p's own dial
+    skips them); False when none works."""
+    try:
+        known = host.get_peerstore().addrs(peer_id)
+    except Exception:  # noqa: BLE001 - py-libp2p raises for a peer it has no addresses of
+        return False
+    for addr in (f"{a}/p2p/{peer_id}" for a in known if "/p2p-circuit" in str(a)):
+        try:
+            await connect(addr, timeout)
+            return True
+        except (PeerUnavailable, NodeError) as e:
+            log.debug("dial %s: %s", addr, e)
+    return False
 
 
 def relay_protocol(host: Any, serve: bool) -> tuple[CircuitV2Protocol, RelayConfig]:
