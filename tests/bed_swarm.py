@@ -5,6 +5,7 @@ import json
 import queue
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,17 +36,26 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def contribute(self, host: Host, name: str, memory: int, *extra: str, verbose: bool = False) -> str:
-        """A headless contributor on `host`; returns its peer id (the first is the swarm's bootstrap)."""
+    def start(self, host: Host, name: str, memory: int, *extra: str, verbose: bool = False) -> Callable[[], str]:
+        """Start a headless contributor on `host`; the function returned waits for its peer id. Start the first
+        (the swarm's bootstrap) alone; the others may start together."""
         argv = ["contribute", "--headless", "--model", MODEL, "--listen", f"/ip4/0.0.0.0/tcp/{PORT}",
                 "--max-memory", str(memory), "--heartbeat", "1", *extra]
         proc = self.command(host, name, *argv, *(["--join", self.boot] if self.boot else []), verbose=verbose)
         lines = lines_of(proc)
-        peer = read_until(lines, "peer ", 90)[0].split()[1]
-        self.lines[peer] = lines
-        if self.boot is None:
-            self.boot = f"/ip4/{host.addr}/tcp/{PORT}/p2p/{peer}"
-        return peer
+
+        def peer_id() -> str:
+            peer = read_until(lines, "peer ", 90)[0].split()[1]
+            self.lines[peer] = lines
+            if self.boot is None:
+                self.boot = f"/ip4/{host.addr}/tcp/{PORT}/p2p/{peer}"
+            return peer
+
+        return peer_id
+
+    def contribute(self, host: Host, name: str, memory: int, *extra: str, verbose: bool = False) -> str:
+        """A headless contributor on `host`, started; returns its peer id."""
+        return self.start(host, name, memory, *extra, verbose=verbose)()
 
     def chat(self, host: Host, name: str, tokens: int = 8, timeout: float = 240) -> dict:
         assert self.boot is not None

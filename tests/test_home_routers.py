@@ -50,10 +50,9 @@ def test_a_user_at_home_chats_through_contributors_at_home_who_punch_a_hole_and_
     bed = swarm.bed
     half = budgets(MODEL, 2)[0]
     boot = swarm.contribute(bed.public_host("boot"), "boot", half // 8)  # no room for a layer: it only relays
-    alice = swarm.contribute(bed.behind(bed.home_router("home1", idle_timeout_s=30), "alice"), "alice", half,
-                             verbose=True)
-    bob = swarm.contribute(bed.behind(bed.home_router("home2", idle_timeout_s=30), "bob"), "bob", half,
-                           verbose=True)
+    alice, bob = (wait() for wait in [  # started together
+        swarm.start(bed.behind(bed.home_router("home1", idle_timeout_s=30), "alice"), "alice", half, verbose=True),
+        swarm.start(bed.behind(bed.home_router("home2", idle_timeout_s=30), "bob"), "bob", half, verbose=True)])
     carol = bed.behind(bed.home_router("home3", idle_timeout_s=30), "carol")
     reply = swarm.chat(carol, "carol")
     assert reply["tokens"] == expected_tokens(8)
@@ -92,9 +91,9 @@ def test_a_contributor_behind_a_symmetric_nat_serves_through_a_relay_and_says_it
     bed = swarm.bed
     half = budgets(MODEL, 2)[0]
     swarm.contribute(bed.public_host("boot"), "boot", half // 8)
-    alice = swarm.contribute(bed.behind(bed.home_router("home1"), "alice"), "alice", half, verbose=True)
-    dave = swarm.contribute(bed.behind(bed.home_router("carrier", symmetric=True), "dave"), "dave", half,
-                            verbose=True)
+    alice, dave = (wait() for wait in [
+        swarm.start(bed.behind(bed.home_router("home1"), "alice"), "alice", half, verbose=True),
+        swarm.start(bed.behind(bed.home_router("carrier", symmetric=True), "dave"), "dave", half, verbose=True)])
     reply = swarm.chat(bed.public_host("user"), "user")
     assert reply["tokens"] == expected_tokens(8)
     assert {s["peer"] for s in reply["route"]} == {alice, dave}
@@ -134,21 +133,25 @@ def test_serve_behind_a_home_router_answers_a_client_in_the_same_home(swarm):
 
 
 def test_a_generation_survives_the_relays_of_a_private_stage_going(swarm):
-    TOKENS = 256  # noqa: N806 - long enough to be under way when the relays go
     """Both relays a private stage holds slots on are killed mid-generation: it takes a slot on the third
     public relay, announces it, the entry reaches it there, and the generation ends with the same tokens. (The
     stage is behind a symmetric NAT and the entry at home: no hole can be punched, so the relays carry it all.)"""
+    TOKENS = 256  # noqa: N806 - long enough to be under way when the relays go
     bed = swarm.bed
     half = budgets(MODEL, 2)[0]
     swarm.contribute(bed.public_host("boot"), "boot", half, "--no-relay-service")
-    relays = {swarm.contribute(bed.public_host(f"relay{i}"), f"relay{i}", half // 8): i for i in range(3)}
+    waits = [swarm.start(bed.public_host(f"relay{i}"), f"relay{i}", half // 8) for i in range(3)]
+    waits.append(swarm.start(bed.behind(bed.home_router("carrier", symmetric=True), "dave"), "dave", half,
+                             verbose=True))
+    *relays, _ = (wait() for wait in waits)
     procs = dict(zip(relays, swarm.procs[1:]))
-    dave = swarm.contribute(bed.behind(bed.home_router("carrier", symmetric=True), "dave"), "dave", half)
-    watcher = bed.public_host("watcher")
 
     def held() -> set[str]:
-        info = next((m for m in swarm.status(watcher)["members"] if m["peer"] == dave), None)
-        return {a.split("/p2p/")[1].split("/")[0] for a in (info or {}).get("addrs", []) if "/p2p-circuit" in a}
+        """The relays the stage took slots on (its log says each), less those it lost."""
+        lines = (swarm.logs / "dave.log").read_text().splitlines()
+        taken = [line.split("/p2p/")[1].split()[0] for line in lines if "reachable through relay" in line]
+        lost = {line.split("/p2p/")[1].split()[0] for line in lines if "relay /" in line and " lost (" in line}
+        return set(taken) - lost
 
     first = wait_for(lambda: len(held()) == 2 and held(), 90, "the private stage's two relay slots")
     user = bed.behind(bed.home_router("home2"), "user")  # private too: the two reach each other only through relays
