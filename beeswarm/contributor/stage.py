@@ -17,6 +17,7 @@ serving everyone else.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 16
 MAX_SESSIONS_PER_PEER = 64
+KEPT_CODECS = 64  # link codecs kept for peers no session uses now (their adaptive layout and rates learnt)
 _session_requests: Decoder[Open | Close] = Decoder(Open, Close)
 _reveal_requests: Decoder[Reveal] = Decoder(Reveal)
 
@@ -113,7 +115,9 @@ class StageServer:
         self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are dropped
         self._out = ChannelPool(node.open_channel)
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
-        self._codecs: dict[str, codec.LinkCodec] = {}  # per peer a session links to (freed with its last session)
+        # per peer a session links to, most recently used last: what a link's codec learnt outlives a session (an
+        # entry opens one per generation); beyond KEPT_CODECS, a peer no session uses loses its codec
+        self._codecs: collections.OrderedDict[str, codec.LinkCodec] = collections.OrderedDict()
         self._retired = Traffic(0, 0, 0, 0, 0, 0)  # the bytes counted by codecs freed since
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
@@ -161,7 +165,8 @@ class StageServer:
             self._draining.discard(span)
             log.info("layers %s freed: the plan moved on and their last session ended", span)
         linked = {peer for s in self.sessions.values() for peer in (s.entry, s.prev, s.next)}
-        for peer in [p for p in self._codecs if p not in linked]:
+        spare = [p for p in self._codecs if p not in linked]  # least recently used first
+        for peer in spare[:max(0, len(self._codecs) - KEPT_CODECS)]:
             link = self._codecs.pop(peer)
             self._retired = Traffic(0, 0, self._retired.raw_in + link.raw_in, self._retired.wire_in + link.wire_in,
                                     self._retired.raw_out + link.raw_bytes,
@@ -189,6 +194,7 @@ class StageServer:
     def link(self, peer: str) -> codec.LinkCodec:
         with self._lock:
             link = self._codecs.setdefault(peer, codec.LinkCodec(self.link_bytes_per_s))
+            self._codecs.move_to_end(peer)
         rate = self.link_rate(peer) if self.link_rate else None
         if rate:
             link.link_bytes_per_s = rate
