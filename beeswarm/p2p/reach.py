@@ -15,6 +15,8 @@ from typing import Any
 
 import multiaddr
 import trio
+from libp2p.host.ping import PingService
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
@@ -97,6 +99,7 @@ RELAYS_WANTED = 2  # reservations a private node keeps
 RENEW_AT = 0.5  # of a reservation's lifetime
 RELAY_RETRY_S = 120.0  # a relay that refused or could not be reached is tried again after this
 KEEP_S = 5.0  # how often the reservations are looked after
+KEEPALIVE_S = 20.0  # a relay is pinged this often: home routers forget a TCP flow idle for as little as 30 s
 
 
 class HolePunching(DCUtRProtocol):
@@ -147,6 +150,7 @@ class Reservation:
     relay: str  # the relay's address, ending in /p2p/<its id>
     expires: float  # time.time() (the relay's clock)
     taken: float  # time.time() when taken or renewed
+    pinged: float = 0.0  # when the relay last answered a ping
 
 
 class Relays:
@@ -164,6 +168,7 @@ class Relays:
         self.held: dict[str, Reservation] = {}  # relay peer id -> reservation
         self._failed: dict[str, float] = {}  # relay address -> when it last failed
         self.note: str | None = None  # why this node holds no relay slot though it wants one
+        self._ping = PingService(host)
 
     def addrs(self) -> list[str]:
         """The addresses peers reach this node at through its relays."""
@@ -183,6 +188,12 @@ class Relays:
                 del self.held[relay_id]
             elif now >= r.taken + RENEW_AT * (r.expires - r.taken) and not await self._reserve(r.relay):
                 del self.held[relay_id]
+            elif now - max(r.pinged, r.taken) >= KEEPALIVE_S:
+                if await self._alive(relay_id):
+                    r.pinged = now
+                else:
+                    log.info("relay %s lost (no answer to a ping)", r.relay)
+                    del self.held[relay_id]
         wanted = self.wanted()
         target = len(self.fixed) + (RELAYS_WANTED if wanted else 0)
         offered = self.fixed + (self._ordered_candidates() if wanted else [])
@@ -212,6 +223,15 @@ class Relays:
                 out.append(addr)
         random.shuffle(out)  # spread private nodes over the public ones
         return out
+
+    async def _alive(self, relay_id: str) -> bool:
+        """Ping the relay: keeps the NAT's mapping of this node's connection to it, and tells a silent relay."""
+        try:
+            with trio.fail_after(10.0):
+                return bool(await self._ping.ping(ID.from_base58(relay_id)))
+        except Exception as e:  # noqa: BLE001
+            log.debug("ping %s: %s", relay_id, e)
+            return False
 
     def _connected(self, peer: Any) -> bool:
         return any(not getattr(c, "is_closed", False) for c in self.host.get_network().connections.get(peer, []))
