@@ -169,6 +169,7 @@ class Relays:
         self._failed: dict[str, float] = {}  # relay address -> when it last failed
         self.note: str | None = None  # why this node holds no relay slot though it wants one
         self._ping = PingService(host)
+        self._tending = trio.Lock()
 
     def addrs(self) -> list[str]:
         """The addresses peers reach this node at through its relays."""
@@ -180,6 +181,10 @@ class Relays:
             await trio.sleep(KEEP_S)
 
     async def tend(self) -> None:
+        async with self._tending:  # (one at a time: `keep`'s, and any other caller's)
+            await self._tend()
+
+    async def _tend(self) -> None:
         now = self.clock()
         live = {str(p) for p in self.host.get_network().connections if self._connected(p)}
         for relay_id, r in list(self.held.items()):
