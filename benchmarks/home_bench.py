@@ -9,7 +9,9 @@ contributors holding half the model each; the user chatting greedily), every hom
 - relayed: one stage behind a symmetric NAT, so its links go through the relay.
 Reported per layout: seconds from the two contributors' start to both their "serving" lines (benchmarks cached,
 as on any start after the first), whether the stages' link ended up direct, the chat's tokens/s and time to
-first token (median of `--chats`), and for the relay: CPU seconds and bytes through it per token generated.
+first token (median of `--chats`), and for the relay: CPU milliseconds and bytes through it per token generated,
+its own traffic at rest (`--idle` seconds before the chats, the bootstrap coordinates too) subtracted. Each chat is
+a new process, so a user at home reaches the stages through the relay for the whole of a short chat.
 
     sudo python benchmarks/home_bench.py [--tokens 64] [--chats 3] [--uplink 20] [--json]
 """
@@ -80,16 +82,27 @@ def run_layout(layout: str, args: argparse.Namespace, logs: Path) -> dict[str, o
 
         if layout == "punched":
             wait_for(direct, 60, "the stages' hole punch")
-        cpu0, bytes0 = sum(relay.cpu_times()[:2]), wire_bytes(boot_host)
-        replies = [swarm.chat(user, f"chat{i}", tokens=args.tokens) for i in range(args.chats)]
-        cpu1, bytes1 = sum(relay.cpu_times()[:2]), wire_bytes(boot_host)
+        # the bootstrap's own traffic (heartbeats, gossip, probes: it coordinates too) at rest, to subtract
+        idle0, cpu0, bytes0 = time.monotonic(), sum(relay.cpu_times()[:2]), wire_bytes(boot_host)
+        time.sleep(args.idle)
+        idle_s, idle_cpu, idle_bytes = (time.monotonic() - idle0, sum(relay.cpu_times()[:2]) - cpu0,
+                                        wire_bytes(boot_host) - bytes0)
+        replies = []
+        for i in range(args.chats):  # each chat a new process: its links are relayed until a punch, if any
+            cpu0, bytes0, began = sum(relay.cpu_times()[:2]), wire_bytes(boot_host), time.monotonic()
+            reply = swarm.chat(user, f"chat{i}", tokens=args.tokens)
+            took = time.monotonic() - began
+            reply["relay_cpu_s"] = sum(relay.cpu_times()[:2]) - cpu0 - idle_cpu / idle_s * took
+            reply["relay_bytes"] = wire_bytes(boot_host) - bytes0 - idle_bytes / idle_s * took
+            replies.append(reply)
         tokens = sum(r["new_tokens"] for r in replies)
         return {"layout": layout, "uplink_mbit": None if layout == "public" else args.uplink,
                 "start_to_serving_s": round(max(to_serving), 1), "stages_direct": layout == "public" or direct(),
                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in replies),
                 "ttft_s": statistics.median(r["ttft_s"] for r in replies),
-                "relay_cpu_ms_per_token": round(1000 * (cpu1 - cpu0) / tokens, 2),
-                "relay_bytes_per_token": round((bytes1 - bytes0) / tokens)}
+                "relay_cpu_ms_per_token": round(1000 * sum(r["relay_cpu_s"] for r in replies) / tokens, 2),
+                "relay_bytes_per_token": round(sum(r["relay_bytes"] for r in replies) / tokens),
+                "relay_idle_bytes_per_s": round(idle_bytes / idle_s)}
 
 
 def main() -> None:
@@ -97,6 +110,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--chats", type=int, default=3)
     ap.add_argument("--uplink", type=float, default=20.0, help="home uplink, Mbit/s")
+    ap.add_argument("--idle", type=float, default=10.0, help="seconds the bootstrap's own traffic is measured")
     ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--json", action="store_true")
