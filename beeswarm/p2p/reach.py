@@ -119,6 +119,10 @@ class HolePunching(DCUtRProtocol):
                      MAX_HOLE_PUNCH_ATTEMPTS)
         return ok
 
+    def on_peer_disconnected(self, peer_id: Any) -> None:  # (py-libp2p's host calls it: per-peer state goes)
+        super().on_peer_disconnected(peer_id)
+        self._told.discard(peer_id)
+
 
 async def dial_relayed(host: Any, peer_id: Any, connect: Callable[[str, float], Awaitable[str]],
                        timeout: float = 10.0) -> bool:
@@ -186,6 +190,7 @@ class Relays:
 
     async def _tend(self) -> None:
         now = self.clock()
+        self._failed = {addr: t for addr, t in self._failed.items() if now - t < RELAY_RETRY_S}
         live = {str(p) for p in self.host.get_network().connections if self._connected(p)}
         for relay_id, r in list(self.held.items()):
             if relay_id not in live or now >= r.expires:  # the relay went (or the slot lapsed): take another
@@ -207,7 +212,7 @@ class Relays:
             if len(self.held) >= target:
                 break
             if relay_id not in self.held and relay_id != self.me and \
-                    now - self._failed.get(addr, -RELAY_RETRY_S) >= RELAY_RETRY_S:
+                    addr not in self._failed:
                 await self._reserve(addr)
         note = None if self.held or not target else (
             "nobody can reach this node (it is behind a NAT or firewall) and no public member of the swarm "
