@@ -26,11 +26,14 @@ from beeswarm.protocol.coordinator import stages_of
 from beeswarm.shard import EntryModel
 from beeswarm.tui.dashboard_app import DashboardApp
 from beeswarm.tui.widgets.log_panel import LogPanel
-from beeswarm.tui.widgets.peers_table import PeersTable
+from beeswarm.tui.widgets.peers_table import COLUMNS, PeersTable
 from beeswarm.tui.widgets.phase_bars import PhaseRow
 from helpers import LOCAL, in_terminal, lines_of, read_until, threads_left, until
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
+
+
+STATE = COLUMNS.index("state")
 
 
 def table(app) -> dict[str, list[str]]:
@@ -120,7 +123,7 @@ async def step_a_second_node_is_planned_in_and_shown_serving_with_its_rtt(dash: 
     # A second node holding half the model: the plan needs both; the table shows both serving.
     app, pilot, me = dash.app, dash.pilot, dash.me
     peer_b = dash.spawn("b")
-    await until(pilot, lambda: len(table(app)) == 2 and all(r[-1] == "serving" for r in table(app).values()),
+    await until(pilot, lambda: len(table(app)) == 2 and all(r[STATE] == "serving" for r in table(app).values()),
                 what="both nodes serving")
     assert table(app)[me[-8:]][2] != "-" and table(app)[peer_b[-8:]][2] != "-"  # layers shown
     await until(pilot, lambda: any(k.startswith("probe ") and p.finished for k, p in
@@ -156,12 +159,12 @@ async def step_p_pauses_the_node_out_of_the_plan_and_resumes_it(dash: Scenario) 
     peer_c = dash.spawn("c")
     await until(pilot, lambda: peer_c[-8:] in table(app), what="the third node")
     await pilot.press("p")
-    await until(pilot, lambda: table(app)[me[-8:]][-1] == "paused", what="the paused state")
+    await until(pilot, lambda: table(app)[me[-8:]][STATE] == "paused", what="the paused state")
     await until(pilot, lambda: contributor.coordinator.state.target and not in_plan(contributor, me)
                 and in_plan(contributor, peer_c), what="a plan around the paused node")
     await until(pilot, lambda: table(app)[me[-8:]][2] == "-", what="the span given up")
     await pilot.press("p")
-    await until(pilot, lambda: table(app)[me[-8:]][-1] in ("idle", "loading", "serving"), what="resuming")
+    await until(pilot, lambda: table(app)[me[-8:]][STATE] in ("idle", "loading", "serving"), what="resuming")
 
 async def step_a_node_leaving_disappears_from_the_table(dash: Scenario) -> None:
     b, peer_b = dash.children["b"]

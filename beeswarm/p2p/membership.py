@@ -54,6 +54,7 @@ TARGET_BEATS_PER_S = 8.0  # heartbeats a node receives per second from the whole
 MAX_BEAT_S = 60.0
 DIAL_BACKOFF_S = (1.0, 30.0)  # first retry, cap
 MAX_DIALS = 2  # neighbour dials in flight at once
+LEAVE_S = 2.0  # the most a leave announcement may take
 NEIGHBOURS = 4  # links kept besides the coordinator and the plan's stages (gossip needs a few)
 RESEND_INFO_BEATS = 10  # a beat to the coordinator carries the full info at least this often
 _messages: Decoder[Heartbeat | Leave] = Decoder(Heartbeat, Leave)
@@ -164,11 +165,16 @@ class Membership:
                 self._lost[peer] = self.clock()
 
     def leave(self) -> None:
-        """Tell the swarm this node is leaving (best effort)."""
+        """Tell the swarm this node is leaving (best effort, within LEAVE_S: a peer slow to take it must not
+        hold up the process's exit)."""
         try:
-            self.node.publish(self.node.topic(ids.MEMBERS_TOPIC), Leave())
+            self.node.call(self._leave)
         except Exception as e:  # noqa: BLE001
             log.debug("leave announcement failed: %s", e)
+
+    async def _leave(self) -> None:
+        with trio.move_on_after(LEAVE_S):
+            await self.node.publish_async(self.node.topic(ids.MEMBERS_TOPIC), Leave())
 
     def _emit(self, event: str, info: NodeInfo) -> None:
         for listener in list(self.listeners):
