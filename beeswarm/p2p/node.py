@@ -434,8 +434,11 @@ class Node:
     def _set_handler(self, protocol: str, wrapped: Callable[[Any], Any]) -> None:
         self._handlers[protocol] = wrapped
         if self._host is not None and self._token is not None:
-            trio.from_thread.run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped,
-                                      trio_token=self._token)
+            try:
+                trio.from_thread.run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped,
+                                          trio_token=self._token)
+            except trio.RunFinishedError:  # the node stopped (a span loaded as it failed): nothing to serve on
+                pass
         elif self._host is not None:
             self._host.set_stream_handler(TProtocol(protocol), wrapped)
 
