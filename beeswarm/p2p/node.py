@@ -10,6 +10,7 @@ served), `requests.Requests` (request/response), `channel.Channel` (framed duple
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -33,7 +34,7 @@ from beeswarm.p2p.errors import NodeError, NodeFailed, PeerUnavailable
 from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.peers import NodeStats
 from beeswarm.p2p.reach import NOT_DIALABLE
-from beeswarm.p2p.requests import Handler, Requests, reply_decoder
+from beeswarm.p2p.requests import Handler, Requests
 from beeswarm.p2p.supervisor import supervised
 from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, encode, ids
 from beeswarm.protocol.reach import DialBack, DialedBack
@@ -43,8 +44,6 @@ logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ou
 
 STOP_TIMEOUT_S = 2.0
 REMEMBER_S = 600  # how long addresses given to `remember_addrs` stay dialable (their peerstore TTL)
-_dialbacks: Decoder[DialBack] = Decoder(DialBack)
-_dialed_back = reply_decoder(DialedBack)
 
 
 @dataclass
@@ -96,7 +95,7 @@ class Node:
         self.on_failure: list[Callable[[BaseException], None]] = []
         # Whether other hosts can dial this node: peers dial it back (dialback.py), and it dials them back.
         self.reachability = dialback.Reachability()
-        self.serve(ids.DIALBACK, dialback.DialBackServer(self._direct_ip).answer, _dialbacks)
+        self.serve(ids.DIALBACK, dialback.DialBackServer(self._direct_ip).answer, dialback.REQUESTS)
         self.add_task(functools.partial(dialback.keep_learning, self.reachability,
                                         lambda: peers.direct_peers(self._host), self._listen_ports, self._ask_dialback))
 
@@ -296,7 +295,7 @@ class Node:
         return endpoint[0] if endpoint else None
 
     async def _ask_dialback(self, peer: str, request: DialBack) -> DialedBack:
-        reply: DialedBack = await self.requests.request(peer, ids.DIALBACK, encode(request), _dialed_back,
+        reply: DialedBack = await self.requests.request(peer, ids.DIALBACK, encode(request), dialback.REPLIES,
                                                         timeout=dialback.PROBE_TIMEOUT_S + 5.0)
         return reply
 
@@ -434,11 +433,9 @@ class Node:
     def _set_handler(self, protocol: str, wrapped: Callable[[Any], Any]) -> None:
         self._handlers[protocol] = wrapped
         if self._host is not None and self._token is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):  # the node stopped (a span loaded as it failed)
                 trio.from_thread.run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped,
                                           trio_token=self._token)
-            except trio.RunFinishedError:  # the node stopped (a span loaded as it failed): nothing to serve on
-                pass
         elif self._host is not None:
             self._host.set_stream_handler(TProtocol(protocol), wrapped)
 
