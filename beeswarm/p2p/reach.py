@@ -24,7 +24,7 @@ from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
 
-from beeswarm.p2p import addresses
+from beeswarm.p2p import addresses, peers
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Relays:
     async def _tend(self) -> None:
         now = self.clock()
         self._failed = {addr: t for addr, t in self._failed.items() if now - t < RELAY_RETRY_S}
-        live = {str(p) for p in self.host.get_network().connections if self._connected(p)}
+        live = {str(p) for p in peers.live_peers(self.host)}
         for relay_id, r in list(self.held.items()):
             if relay_id not in live or now >= r.expires:  # the relay went (or the slot lapsed): take another
                 log.info("relay %s lost (%s)", r.relay, "expired" if now >= r.expires else "disconnected")
@@ -242,9 +242,6 @@ class Relays:
         except Exception as e:  # noqa: BLE001
             log.debug("ping %s: %s", relay_id, e)
             return False
-
-    def _connected(self, peer: Any) -> bool:
-        return any(not getattr(c, "is_closed", False) for c in self.host.get_network().connections.get(peer, []))
 
     async def _reserve(self, relay_addr: str) -> bool:
         """Take (or renew) a slot on a relay. py-libp2p's `reserve` starts a renewal worker that spins without
