@@ -49,6 +49,7 @@ class Channel:
             with self._reader:
                 await self._read(frames)
         finally:
+            self.mark_closed("the node stopped")  # a cancelled reader (the node stopping) must wake `recv` too
             with trio.CancelScope(shield=True):
                 await quiet_reset(self._stream)
 

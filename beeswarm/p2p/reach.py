@@ -99,6 +99,7 @@ RELAYS_WANTED = 2  # reservations a private node keeps
 RENEW_AT = 0.5  # of a reservation's lifetime
 RELAY_RETRY_S = 120.0  # a relay that refused or could not be reached is tried again after this
 KEEP_S = 5.0  # how often the reservations are looked after
+AUTO_PUNCH_S = 2.0  # how often relayed peers are looked for to punch a hole to (py-libp2p's pace)
 KEEPALIVE_S = 20.0  # a relay is pinged this often: home routers forget a TCP flow idle for as little as 30 s
 
 
@@ -109,6 +110,35 @@ class HolePunching(DCUtRProtocol):
     def __init__(self, host: Any):
         super().__init__(host)
         self._told: set[Any] = set()
+        self._driving: set[Any] = set()  # peers whose punch runs now
+
+    async def _auto_drive_loop(self) -> None:
+        """py-libp2p's loop punches one relayed peer after another: a doomed punch (to a chat client that is
+        gone) held up the next stage's for 40 s. Here each relayed peer's punch runs in a task of its own."""
+        while True:
+            await trio.sleep(AUTO_PUNCH_S)
+            for peer_id in self._relayed_peers():
+                if peer_id not in self._driving and peer_id not in self._direct_connections \
+                        and self._hole_punch_attempts.get(peer_id, 0) < MAX_HOLE_PUNCH_ATTEMPTS:
+                    self._driving.add(peer_id)
+                    self._nursery.start_soon(self._drive, peer_id)
+
+    async def _drive(self, peer_id: Any) -> None:
+        try:
+            await self.initiate_hole_punch(peer_id)
+        except Exception as e:  # noqa: BLE001 - one peer's punch failing is that link's matter
+            log.debug("hole punch to %s: %s", peer_id, e)
+        finally:
+            self._driving.discard(peer_id)
+
+    def _relayed_peers(self) -> list[Any]:
+        """Peers this host reaches only through a relay circuit now."""
+        me, relayed = self.host.get_id(), []
+        for peer_id, conns in list(self.host.get_network().connections.items()):
+            conns = conns if isinstance(conns, list) else [conns]
+            if peer_id != me and any("/p2p-circuit" in str(a) for c in conns for a in _transport_addrs(c)):
+                relayed.append(peer_id)
+        return relayed
 
     async def initiate_hole_punch(self, peer_id: Any) -> bool:
         ok: bool = await super().initiate_hole_punch(peer_id)
@@ -122,6 +152,13 @@ class HolePunching(DCUtRProtocol):
     def on_peer_disconnected(self, peer_id: Any) -> None:  # (py-libp2p's host calls it: per-peer state goes)
         super().on_peer_disconnected(peer_id)
         self._told.discard(peer_id)
+
+
+def _transport_addrs(conn: Any) -> list[Any]:
+    try:
+        return list(conn.get_transport_addresses())
+    except Exception:  # noqa: BLE001 - a connection closing as it is read
+        return []
 
 
 async def dial_relayed(host: Any, peer_id: Any, connect: Callable[[str, float], Awaitable[str]],
