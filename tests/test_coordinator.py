@@ -7,7 +7,7 @@ import time
 import msgspec
 import pytest
 
-from beeswarm.coordinator import plans
+from beeswarm.coordinator import planner, plans
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.coordinator.follower import PlanFollower
@@ -229,6 +229,24 @@ def test_a_dead_leaders_higher_term_does_not_hold_a_follower_back():
     assert not leader.observe(Lease(0, "B", 5)) and leader.is_leader
 
 
+def test_a_leader_that_may_no_longer_lead_steps_down_and_an_eligible_member_takes_over():
+    """A coordinator that learns others cannot dial it (its reach turned private) stops leading: its silence
+    makes the next candidate claim the following term, which it then follows."""
+    now = [0.0]
+    a, b = Election("A", 1.0, clock=lambda: now[0]), Election("B", 1.0, clock=lambda: now[0])
+    assert a.tick({"A"}) == Lease(1, "A")
+    b.observe(Lease(1, "A"))
+    a.eligible = False
+    assert a.tick({"B"}) is None and not a.is_leader
+    claim = None
+    while claim is None and now[0] < 10.0:
+        now[0] += 0.25
+        assert a.tick({"B"}) is None  # it never claims again while it may not lead
+        claim = b.tick({"B"})
+    assert claim == Lease(2, "B") and now[0] <= 3.0
+    assert a.observe(claim) and a.current == Lease(2, "B")
+
+
 def test_a_paused_follower_does_not_claim_a_live_leaders_term():
     """SIGSTOP for 30 s, then SIGCONT: the silence was the follower's own; it waits for the leader's beats."""
     now = [0.0]
@@ -246,6 +264,21 @@ def test_a_paused_follower_does_not_claim_a_live_leaders_term():
         if b.tick({"B", "C"}) is not None:
             break
     assert b.is_leader and b.current.term == 2 and now[0] < 37.0
+
+
+def test_until_probed_two_nodes_behind_nats_are_priced_through_a_relay_and_a_direct_pair_is_preferred():
+    relay = "/ip4/198.51.100.10/tcp/4001/p2p/12D3KooWFZ52uwbSh3SfazBGt5vaztCYG3YDVv1nQJCiWRh26qqn/p2p-circuit"
+
+    def info(peer, reach):
+        return NodeInfo(peer=peer, memory_bytes=55_000_000, state="idle", reach=reach,
+                        addrs=(f"{relay}/p2p/{peer}",) if reach == "private" else (),
+                        bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.1})
+
+    view = {"home1": info("home1", "private"), "home2": info("home2", "private"), "public": info("public", "public")}
+    cluster = cluster_from_members(view, MODEL, Workload())
+    assert cluster.rtt("home1", "home2") == 2 * cluster.rtt("home1", "public")
+    best = planner.plan(cluster, replicas=False).pipelines[0]
+    assert "public" in {s.node for s in best.stages} and len(best.stages) == 2
 
 
 def test_replanning_keeps_a_good_enough_plan_and_migrates_make_before_break():

@@ -86,6 +86,9 @@ class Election:
         self._last_tick = now
         if paused:  # the silence was ours, not the leader's: give its beats time to reach us again
             self.last_heard = now
+        if self.is_leader and not self.eligible:  # (it learnt others cannot dial it): it stops beating, and the
+            self.current, self.last_heard = None, now  # silence makes an eligible candidate claim the next term
+            return None
         if self.is_leader or not self.eligible or not (self._met or self.founder):
             return None
         silence = now - self.last_heard

@@ -93,8 +93,12 @@ class PlanFollower:
     def tick(self, candidates: set[str], eligible: bool) -> Lease | None:
         """Tick the election (call often); returns the lease this node has just claimed, if `eligible` and it did."""
         with self._lock:
-            self.election.eligible = eligible
-            return self.election.tick(candidates)
+            self.election.eligible, leading = eligible, self.election.is_leader
+            claimed = self.election.tick(candidates)
+            if leading and not self.election.is_leader:
+                log.warning("stepped down as coordinator: this node may no longer lead (other nodes cannot dial it, "
+                            "or it serves another weight format)")
+            return claimed
 
     def next_epoch(self) -> Lease | None:
         """The lease with its next plan epoch while this node leads, else None (the lease may have been lost

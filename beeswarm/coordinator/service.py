@@ -59,6 +59,7 @@ SETTLE_BEATS = 1.0
 MAX_WAIT_BEATS = 4.0
 REPUBLISH_BEATS = 10.0
 DEFAULT_LINK = (50.0, 100.0, 100.0)  # rtt ms, up, down Mbit/s assumed until a probe measures the pair
+RELAYED_LEGS = 2  # a relayed pair's path: to the relay and on
 SENTENCE_S = 24 * 3600.0  # how long upheld evidence keeps a node out of plans
 
 
@@ -82,8 +83,11 @@ def cluster_from_members(members: dict[str, NodeInfo], model: ModelShape, worklo
             layer_ms_base=float(base), layer_ms_per_token=float(b.get("layer_ms_per_token") or 0),
             offload_gbps=b.get("offload_gbps"), up_mbps=up, down_mbps=down, rtt_ms=rtts))
     ids = {n.id for n in nodes}
-    # Pairs nobody probed yet get the default link, so a young swarm can still be planned.
-    nodes = [replace(n, rtt_ms={**{o: DEFAULT_LINK[0] for o in ids if o != n.id}, **n.rtt_ms}) for n in nodes]
+    # Pairs nobody probed yet get the default link, so a young swarm can still be planned; two nodes behind NATs
+    # meet through a relay until a hole is punched: two legs, so the planner prefers a direct pair.
+    private = {p for p in ids if members[p].reach == "private"}
+    nodes = [replace(n, rtt_ms={**{o: DEFAULT_LINK[0] * (RELAYED_LEGS if {n.id, o} <= private else 1)
+                                   for o in ids if o != n.id}, **n.rtt_ms}) for n in nodes]
     entry_rtt = {n.id: statistics.median(n.rtt_ms.values()) if n.rtt_ms else DEFAULT_LINK[0] for n in nodes}
     return Cluster(model, workload, Entry("entry", entry_rtt, DEFAULT_LINK[1], DEFAULT_LINK[2]), tuple(nodes))
 
