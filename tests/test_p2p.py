@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import trio
 
 from beeswarm.p2p import reach, wire
 from beeswarm.p2p.channel import Channel
@@ -397,6 +398,27 @@ def test_a_channel_closed_locally_leaves_no_reader_behind(mesh):
         channel.close()
     # (a few tasks come and go with the connection's own traffic: 30 readers left behind would not)
     wait_for(lambda: a.stats().tasks < before + 10, 10, "the closed channels' readers to end")
+
+
+def test_messages_written_at_once_on_one_stream_arrive_whole(mesh):
+    """py-libp2p's yamux writes a message in frames of at most 64 KiB (fewer bytes when the peer's window is
+    short), taking the stream's lock per frame: two tasks writing to one stream at once (pubsub's publish and
+    its forwarding of others' messages do) had their frames interleaved, and the reader parsed garbage: the
+    "invalid-signed-record" errors of an honest swarm under churn."""
+    served: list[Channel] = []
+    a, b = mesh(2, members=False, setup=lambda n: n.serve_channel("/test/whole/1", served.append, limit=1 << 20))
+    a.connect(b.addrs[0])
+    bodies = [bytes([i]) * 300_000 for i in range(1, 4)]
+
+    async def write_at_once() -> None:
+        stream = await a.open_stream(b.peer_id, "/test/whole/1")
+        async with trio.open_nursery() as nursery:
+            for body in bodies:
+                nursery.start_soon(wire.write_frame, stream, body)
+
+    a.call(write_at_once)
+    channel = wait_for(lambda: served and served[0], 10, "the channel")
+    assert sorted(channel.recv(timeout=10) for _ in bodies) == bodies
 
 
 def test_a_relay_slot_is_renewed_before_it_lapses_and_taken_again_when_its_connection_drops(mesh):

@@ -57,6 +57,13 @@ is given back with the connection, and the parked task with it.
 Guard F keys `_active_relays` by (peer id, circuit): a context variable set per CONNECT request
 (`_handle_connect`, protocol.py:625), which the circuit's relay tasks inherit.
 
+6. stream writes: `YamuxStream.write` (stream_muxer/yamux/yamux.py:229-293) cuts a message into frames of
+   at most 64 KiB, and fewer bytes when the peer's receive window is short, taking the stream's write lock
+   per frame only: two tasks writing to one stream at once (pubsub writes a peer's stream from publish,
+   forwarding and gossip tasks alike, pubsub.py:1858) had their frames interleaved, and the peer read
+   garbage: "invalid-signed-record" (a mangled envelope) in an honest swarm, a reset stream, a strike.
+Guard G holds a lock of the stream's own over each whole write.
+
 Upstream: no py-libp2p issue for 1-3 turned up in a search of its tracker; the same failure class (one
 failed task cancels the whole Pubsub service) is libp2p/py-libp2p#1120 (push_msg raising StreamReset).
 Check each guard against the source again when upgrading py-libp2p (`install()` warns on another version).
@@ -83,6 +90,7 @@ from libp2p.host.basic_host import BasicHost
 from libp2p.network.swarm import Swarm
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.stream_muxer.yamux.yamux import YamuxStream
 from libp2p.tools.anyio_service.trio_manager import TrioManager
 from libp2p.tools.anyio_service.utils import get_task_name
 from libp2p.utils.connection_shutdown import is_expected_connection_shutdown
@@ -264,6 +272,18 @@ async def _handle_connect_per_circuit(self: Any, stream: Any, msg: Any) -> None:
     await _handle_connect(self, stream, msg)
 
 
+_yamux_write = YamuxStream.write
+_whole_writes: weakref.WeakKeyDictionary[Any, trio.Lock] = weakref.WeakKeyDictionary()
+
+
+async def _write_whole(self: Any, data: bytes) -> None:
+    lock = _whole_writes.get(self)
+    if lock is None:
+        lock = _whole_writes[self] = trio.Lock()
+    async with lock:
+        await _yamux_write(self, data)
+
+
 def install() -> None:
     """Apply the guards (once; later calls do nothing)."""
     global _installed
@@ -283,6 +303,7 @@ def install() -> None:
         (Swarm, "_do_handle_inbound_connection", _inbound_until_closed),  # E
         (Swarm, "upgrade_inbound_raw_conn", _upgrade_then_end_with_connection),  # E
         (CircuitV2Protocol, "_handle_connect", _handle_connect_per_circuit),  # F
+        (YamuxStream, "write", _write_whole),  # G
     ]
     for owner, name, guard in guards:
         setattr(owner, name, functools.wraps(getattr(owner, name))(guard))
