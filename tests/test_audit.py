@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -16,10 +17,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from beeswarm.audit import commitments
+from beeswarm.audit import DEFAULT_RATE, commitments
 from beeswarm.audit.auditor import Auditor
 from beeswarm.audit.evidence import judge, sign_evidence
 from beeswarm.audit.faults import ENV, Fault, _token_direction
+from beeswarm.audit.probation import PROBATION_PASSES
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps, StageFailed
 from beeswarm.contributor.local import budgets
@@ -55,9 +57,9 @@ class Layers:
         return self.loaded[span]
 
 
-def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0):
+def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=lambda stage: 0):
     """Three stages (the middle one with `fault`), an entry node connected to all, and its auditor, whose
-    evidence is kept in `auditor.sent` instead of going to a coordinator."""
+    evidence is kept in `auditor.sent` and passes in `auditor.vouched` instead of going to a coordinator."""
     stages = mesh(3, members=False)
     servers = [StageServer(node, SpanRuntime(folder, Span(a, b), dtype="float32", device="cpu"),
                            fault=fault if i == 1 else None).start()
@@ -69,8 +71,10 @@ def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0):
         a.connect(b.addrs[0])
     caught: dict[str, str] = {}
     sent: list = []
-    auditor = Auditor(entry_node, Layers(folder), rate, on_caught=caught.__setitem__, report=sent.append)
-    auditor.sent = sent
+    vouched: list = []
+    auditor = Auditor(entry_node, Layers(folder), rate, on_caught=caught.__setitem__, report=sent.append,
+                      standing=standing, vouch=lambda session, commit: vouched.append((session, commit)))
+    auditor.sent, auditor.vouched = sent, vouched
     auditor.caught = caught
     route = tuple(Stage(node=node.peer_id, span=Span(a, b)) for node, (a, b) in zip(stages, SPLITS))
     pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), EntryModel(folder, "float32", "cpu"), route,
@@ -127,6 +131,37 @@ def test_a_dishonest_stage_is_caught_and_the_evidence_convinces_a_third_party(me
     assert evidence.accused == cheat and evidence.kind == "wrong"
     verdict = judge(evidence, Layers(tiny_llama))
     assert verdict.upheld and verdict.excluded == cheat and "recomputation" in verdict.reason
+
+
+@pytest.mark.parametrize("mode", ["identity", "noise@0.5"])
+def test_a_newcomer_that_lies_is_caught_in_its_first_generation_at_the_default_rate(mesh, tiny_llama, mode):
+    """Probation: a stage nobody has audited (a fresh key) has its whole session audited before the generation
+    returns; at the default per-step rate (which alone caught a liar only by the 4th generation or later)."""
+    name, _, fraction = mode.partition("@")
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, Fault(name, float(fraction or 1)), rate=DEFAULT_RATE)
+    session, _ = run(pipe, PROMPTS[1], 12)
+    assert auditor.settle([session]) == {stages[1].peer_id}
+    assert auditor.sent[0].accused == stages[1].peer_id and auditor.sent[0].kind == "wrong"
+
+
+def test_honest_newcomers_pass_probation_then_are_audited_less_and_the_swarms_standing_counts(mesh, tiny_llama):
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
+    auditor.rng = random.Random(7)  # (the draws, fixed: the counts below are exact, not likely)
+    for n in range(1, PROBATION_PASSES + 1):  # every session of every stage audited whole
+        session, _ = run(pipe, PROMPTS[n % 2], 6)
+        assert auditor.settle([session]) == set()
+        assert auditor.counts.passed >= 3 * n and auditor.counts.failed == 0
+    assert all(auditor.passed[s.peer_id] >= PROBATION_PASSES for s in stages)
+    # each pass went to the coordinator with the stage's own signed word on the entry's session
+    assert all(commitments.verify(commit, pipe.node.peer_id, session) for session, commit in auditor.vouched)
+    before = auditor.counts.run
+    sessions = [run(pipe, PROMPTS[n % 2], 6)[0] for n in range(10)]
+    assert auditor.settle(sessions) == set()
+    # 30 were they still on probation; each pass now halves the chance of the next (about 3 each in 10 sessions)
+    assert auditor.counts.run - before <= 15
+    # a new entry, told by the swarm (the plan's standings) that the stages passed many audits: no probation
+    pipe, auditor, _, _ = swarm(mesh, tiny_llama, rate=1e-9, standing=lambda stage: 100)
+    assert auditor.settle([run(pipe, PROMPTS[0], 6)[0]]) == set() and auditor.counts.run == 0
 
 
 def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny_llama):
@@ -242,9 +277,10 @@ def status(boot: str, env: dict) -> dict:
 
 @pytest.mark.slow
 def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(tiny_models, tmp_path):
-    """Three contributor processes, one returning noise on half its steps, and a spare that joins once they
-    serve. A chat auditing half the steps gets transformers' greedy tokens, reports the
-    failed audit, and the coordinator's plan excludes the cheat with the reason."""
+    """Three contributor processes (new keys all), one returning noise on half its steps, and a spare that joins
+    once they serve. A chat at the default audit rate (probation audits a newcomer's sessions whole) gets
+    transformers' greedy tokens, reports the failed audit, and the coordinator's plan excludes the cheat with
+    the reason, and counts the honest stages' passed audits."""
     model = str(tiny_models["llama"])
     env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("BEESWARM_IDENTITY", None)
@@ -261,7 +297,7 @@ def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_sta
         prompt = "def f(x):"
         tokenizer = AutoTokenizer.from_pretrained(model)
         out = subprocess.run([sys.executable, "-m", "beeswarm", "chat", "--join", boot, "--model", model, "--greedy",
-                              "--no-spec", "--json", "--audit-rate", "0.5", "--max-new-tokens", "16",
+                              "--no-spec", "--json", "--max-new-tokens", "16",
                               "--heartbeat", "1", "--prompt", prompt],
                              capture_output=True, text=True, timeout=240, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -273,6 +309,13 @@ def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_sta
         sentenced = wait_for(lambda: [e for e in status(boot, env)["plan"]["excluded"] if e["until"]], 60,
                              "the coordinator's sentence in the plan")
         assert [e["node"] for e in sentenced] == [cheat] and "audit" in sentenced[0]["reason"]
+        honest = {s["peer"] for s in reply["route"]}
+
+        def standings() -> dict | None:
+            known = (status(boot, env)["plan"] or {}).get("standings", {})
+            return known if known.keys() >= honest else None
+
+        assert cheat not in wait_for(standings, 60, "the honest stages' passed audits in the plan")
     finally:
         for p in procs:
             p.kill()

@@ -7,6 +7,7 @@ import time
 import msgspec
 import pytest
 
+from beeswarm.audit import commitments
 from beeswarm.coordinator import planner, plans
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.election import Election, Lease
@@ -20,9 +21,12 @@ from beeswarm.coordinator.service import (
 )
 from beeswarm.p2p import identity
 from beeswarm.p2p.probe import Prober
-from beeswarm.protocol import Decoder, ProtocolError, Span, encode
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import Decoder, ProtocolError, RemoteError, Span, encode, ids
+from beeswarm.protocol.audit import Credited, Passed
 from beeswarm.protocol.coordinator import Pipeline, PlanState, SignedPlan, Stage
 from beeswarm.protocol.membership import Heartbeat, NodeInfo
+from beeswarm.protocol.step import Commit
 from helpers import INTERVAL, wait_for
 
 MODEL = ModelShape(num_layers=8, hidden_size=256, layer_bytes=10_000_000, kv_bytes_per_token_layer=1024)
@@ -83,6 +87,35 @@ def test_election_failover_and_plans(contributors):
     wait_for(lambda: agreed(rest) and next(iter(leaders(rest))) != leader.peer_id, 3 * INTERVAL + 1,
              "a new coordinator")
     assert all(n.coord.lease.term > term for n in rest)
+
+
+def test_passed_audits_count_once_ride_in_the_plan_and_outlive_their_coordinator(contributors):
+    """Probation's swarm-wide history: an entry reports a stage's passed audit with the stage's signed word on
+    its session; the coordinator counts each session once, refuses a pass shown by a commitment to another
+    entry's session, publishes the count in its plans, and the next coordinator starts from them."""
+    nodes = contributors(3)
+    wait_for(lambda: agreed(nodes) and nodes[0].coord.state.epoch >= 1, 8, "a first plan")
+    leader, stage, entry = nodes
+    credits = reply_decoder(Credited)
+
+    def passed(session: str, signed_for: str) -> int:
+        unsigned = Commit(stage=stage.peer_id, step=3, span=Span(0, 4), context=bytes(16), input=bytes(16),
+                          output=bytes(16), sig=b"")
+        commit = commitments.sign(stage.identity.key_pair, signed_for, session, unsigned)
+        return entry.request(leader.peer_id, ids.PASSED, Passed(session=session, commit=commit), credits).passed
+
+    assert [passed("s1", entry.peer_id), passed("s1", entry.peer_id)] == [1, 1]  # once per session
+    with pytest.raises(RemoteError):
+        passed("s2", leader.peer_id)  # another entry's session: no pass of this one's
+    assert passed("s2", entry.peer_id) == 2
+    def standing(node) -> int | None:
+        return {s.node: s.passed for s in node.coord.state.standings}.get(stage.peer_id)
+
+    wait_for(lambda: all(standing(n) == 2 for n in nodes), 10, "the standing in every node's plan")
+    leader.stop()
+    wait_for(lambda: agreed([stage, entry]) and leaders([stage, entry]) != {leader.peer_id}, 10, "a new coordinator")
+    successor = stage if stage.coord.is_leader else entry
+    assert successor.coord.ledger.passed[stage.peer_id] == 2
 
 
 def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator(contributors, mesh):

@@ -218,7 +218,7 @@ class SwarmClient:
         self._audit_runtimes: dict[tuple[Span, str], SpanRuntime] = {}
         self._audit_lock = threading.Lock()
         self.auditor = Auditor(node, self._audit_runtime, self.options.audit_rate, self._caught,
-                               coordinator.leader) \
+                               coordinator.leader, standing=self._standing) \
             if self.options.audit_rate > 0 else None
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
 
@@ -236,6 +236,10 @@ class SwarmClient:
                 self._audit_runtimes[span, weights] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype,
                                                                       self.entry.device, quant=weights)
             return self._audit_runtimes[span, weights]
+
+    def _standing(self, stage: str) -> int:
+        """The audits the swarm knows `stage` passed (the plan's standings)."""
+        return next((s.passed for s in self.coordinator.state.standings if s.node == stage), 0)
 
     def _caught(self, peer: str, why: str) -> None:
         """A stage failed or refused an audit: ban it, and fail the steps waiting on it now."""

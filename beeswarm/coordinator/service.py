@@ -16,7 +16,8 @@ REPUBLISH_BEATS intervals; a follower that still missed it asks for it (`ids.PLA
 
 Evidence (`ids.EVIDENCE`) goes to the judge given to the constructor (it recomputes spans, so it is
 injected: this package imports no torch); an upheld accusation keeps its node out of plans for
-SENTENCE_S, and the coordinators after this one keep the sentences a plan names.
+SENTENCE_S, and the coordinators after this one keep the sentences a plan names. Passed audits
+(`ids.PASSED`) go to the probation ledger (`audit.probation`), whose standings ride in the plan.
 """
 from __future__ import annotations
 
@@ -30,23 +31,28 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from beeswarm.audit import probation
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Lease
 from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.planner import Plan, PlanError, plan
+from beeswarm.p2p.signatures import verify_bytes
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, ids
-from beeswarm.protocol.audit import Evidence, Verdict
+from beeswarm.protocol.audit import Credited, Evidence, Passed, Verdict
 from beeswarm.protocol.coordinator import (
+    MAX_STANDINGS,
     Exclusion,
     LeaseBeat,
     Pipeline,
     PlanRequest,
     PlanState,
     SignedPlan,
+    Standing,
     assignments,
 )
 from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.step import commit_body
 
 if TYPE_CHECKING:  # the judge recomputes spans (torch): a node without one never imports it
     from beeswarm.audit.evidence import Judgement
@@ -54,6 +60,7 @@ if TYPE_CHECKING:  # the judge recomputes spans (torch): a node without one neve
 log = logging.getLogger(__name__)
 
 _plan_requests: Decoder[PlanRequest] = Decoder(PlanRequest)
+_passes: Decoder[Passed] = Decoder(Passed)
 Judge = Callable[[Evidence], "Judgement"]  # checks evidence: recomputes spans (contributors inject it)
 SETTLE_BEATS = 1.0
 MAX_WAIT_BEATS = 4.0
@@ -162,17 +169,20 @@ class Coordinator:
         self.workload = workload or Workload()
         self.replan_threshold, self.eligible = replan_threshold, eligible
         self.sentences: dict[str, Exclusion] = {}  # nodes kept out of plans by upheld evidence
-        self._lock = threading.Lock()  # the sentences: judged in a worker thread
+        self.ledger = probation.Ledger()  # the audits each stage passed
+        self._lock = threading.Lock()  # the sentences and the ledger: judged and credited in worker threads
         self._dirty, self._dirty_since, self._last_change = True, 0.0, 0.0
         self._last_beat = 0.0
         self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
         self._republish_at = 0.0
         # what the last planning ran on
-        self._planned_input: tuple[Cluster, int, int, frozenset[str], tuple[Exclusion, ...]] | None = None
+        self._planned_input: tuple[Cluster, int, int, frozenset[str], tuple[Exclusion, ...], tuple[Standing, ...]] \
+            | None = None
 
     def start(self) -> None:
         self.follower.listen()  # this coordinator ticks its election
         self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
+        self.node.serve(ids.PASSED, self._on_passed, _passes)
         if self._judge is not None:
             self.node.serve(ids.EVIDENCE, self._on_evidence, Decoder(Evidence, limit=self.node.config.max_tensor_bytes))
         self.members.listeners.append(self._on_member)
@@ -236,10 +246,35 @@ class Coordinator:
         log.warning("excluding %s for %.0f h: %s", sentence.node, SENTENCE_S / 3600, sentence.reason)
         with self._lock:
             self.sentences[sentence.node] = sentence
+        with self._lock:
+            self.ledger.forget(sentence.node)
         if not judgement.upheld:
             self.node.strike(peer, judgement.reason, severe=True)
         self.mark_dirty()
         return Verdict(excluded=sentence.node, reason=sentence.reason)
+
+    def _on_passed(self, peer: str, passed: Passed) -> Message:
+        """Count a stage's passed audit of `peer`'s session, shown by the stage's signed commitment to it."""
+        if not self.is_leader:
+            return ErrorReply(error="this node is not the coordinator", busy=True)
+        stage = passed.commit.stage
+        signed = verify_bytes(stage, commit_body(peer, passed.session, passed.commit), passed.commit.sig)
+        if stage == peer or not signed:
+            raise ProtocolError("a pass is shown by the stage's own commitment to the reporter's session")
+        with self._lock:
+            before = min(self.ledger.passed.get(stage, 0), probation.PUBLISHED_UP_TO)
+            self.ledger.credit(stage, peer, passed.session)
+            now = self.ledger.passed.get(stage, 0)
+        if min(now, probation.PUBLISHED_UP_TO) != before:
+            self.mark_dirty()  # the plan's standings change
+        return Credited(passed=now)
+
+    def _standings(self, view: dict[str, NodeInfo], active: tuple[Pipeline, ...]) -> tuple[Standing, ...]:
+        """What the plan carries of the ledger: the stages of `active` first, then the other contributors."""
+        nodes = [s.node for p in active for s in p.stages] + \
+            sorted(peer for peer, info in view.items() if info.role == "contributor")
+        with self._lock:
+            return tuple(Standing(n, k) for n, k in self.ledger.published(nodes, MAX_STANDINGS).items())
 
     # leading ----------------------------------------------------------------------------------
     def _stand(self) -> Lease | None:
@@ -263,8 +298,9 @@ class Coordinator:
                 log.info("claimed coordinator lease, term %d", claim.term)
                 self._dirty, self._dirty_since, self._last_change, self._last_beat = True, 0.0, 0.0, 0.0
                 self._signed = None  # a plan of an earlier term is no one's to re-send
-                with self._lock:  # the sentences of the coordinators before stand
+                with self._lock:  # the sentences and standings of the coordinators before stand
                     self.sentences = {e.node: e for e in self.state.excluded if e.until} | self.sentences
+                    self.ledger.merge({s.node: s.passed for s in self.state.standings})
             now = self.clock()
             lease = self.lease
             if lease is not None and self.is_leader:
@@ -294,7 +330,9 @@ class Coordinator:
                 if peer not in sentenced}
         cluster = cluster_from_members(view, self.model, self.workload)
         others = left_out(view, self.model.quant)  # not in the cluster, named in the plan: a change counts
-        given = lambda: (cluster, self.state.term, self.state.epoch, frozenset(sentenced), others)  # noqa: E731
+        standings = self._standings(view, self.state.active)
+        given = lambda: (cluster, self.state.term, self.state.epoch, frozenset(sentenced), others,  # noqa: E731
+                         standings)
         if not cluster.nodes or given() == self._planned_input and not self.state.migrating():
             return  # nothing the plan depends on changed
         try:
@@ -314,7 +352,9 @@ class Coordinator:
                                          self.replan_threshold)
         with self._lock:
             excluded = result.excluded + others + tuple(self.sentences.values())
-        if (active, target, excluded) == (self.state.active, self.state.target, self.state.excluded) and \
+        standings = self._standings(view, active)
+        if (active, target, excluded, standings) == (self.state.active, self.state.target, self.state.excluded,
+                                                     self.state.standings) and \
                 self.state.coordinator == self.node.peer_id:
             return  # the same assignments: no new epoch (newcomers get the current plan re-sent)
         lease = self.follower.next_epoch()  # the lease may have been lost while planning ran in its thread
@@ -323,7 +363,7 @@ class Coordinator:
             return
         state = PlanState(term=lease.term, epoch=lease.epoch, coordinator=self.node.peer_id,
                           objective=result.objective, quant=self.model.quant, active=active, target=target,
-                          excluded=excluded)
+                          excluded=excluded, standings=standings)
         self._signed = plans.sign(self.node.identity.key_pair, state)
         self._republish_at = self.clock() + REPUBLISH_BEATS * self.interval
         await self._publish(self._signed)

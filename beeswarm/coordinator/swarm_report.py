@@ -90,7 +90,8 @@ class StatusReport:
                 "active": [_pipeline_json(p) for p in self.plan.active],
                 "target": [_pipeline_json(p) for p in self.plan.target],
                 "excluded": [{"node": e.node, "reason": e.reason, "until": e.until or None}
-                             for e in self.plan.excluded]},
+                             for e in self.plan.excluded],
+                "standings": {s.node: s.passed for s in self.plan.standings}},
         }
 
 

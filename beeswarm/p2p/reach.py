@@ -118,7 +118,8 @@ class HolePunching(DCUtRProtocol):
         while True:
             await trio.sleep(AUTO_PUNCH_S)
             for peer_id in self._relayed_peers():
-                if peer_id not in self._driving and peer_id not in self._direct_connections \
+                if self._nursery is not None and peer_id not in self._driving \
+                        and peer_id not in self._direct_connections \
                         and self._hole_punch_attempts.get(peer_id, 0) < MAX_HOLE_PUNCH_ATTEMPTS:
                     self._driving.add(peer_id)
                     self._nursery.start_soon(self._drive, peer_id)

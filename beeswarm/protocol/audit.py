@@ -94,3 +94,17 @@ class Verdict(Message, frozen=True, tag="verdict"):
 
     excluded: PeerId
     reason: Annotated[str, msgspec.Meta(max_length=500)]
+
+
+class Passed(Message, frozen=True, tag="passed"):
+    """An entry's word that `commit.stage` passed its audit of `session` (`ids.PASSED`): the stage's own
+    signed commitment to the session's last step audited shows it served that entry's session."""
+
+    session: SessionId
+    commit: Commit
+
+
+class Credited(Message, frozen=True, tag="credited"):
+    """The coordinator's answer to `Passed`: the audits the stage has now passed, as the swarm counts them."""
+
+    passed: Annotated[int, msgspec.Meta(ge=0)]

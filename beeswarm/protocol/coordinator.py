@@ -47,6 +47,14 @@ class Exclusion(msgspec.Struct, frozen=True):
 
 
 Pipelines = Annotated[tuple[Pipeline, ...], msgspec.Meta(max_length=MAX_PIPELINES)]
+MAX_STANDINGS = 256
+
+
+class Standing(msgspec.Struct, frozen=True, array_like=True):
+    """What the swarm knows of a stage's honesty: the audits it passed (`audit.probation`)."""
+
+    node: PeerId
+    passed: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
 
 class PlanState(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +68,7 @@ class PlanState(msgspec.Struct, frozen=True, kw_only=True):
     active: Pipelines = ()
     target: Pipelines = ()
     excluded: Annotated[tuple[Exclusion, ...], msgspec.Meta(max_length=MAX_STAGES)] = ()
+    standings: Annotated[tuple[Standing, ...], msgspec.Meta(max_length=MAX_STANDINGS)] = ()
 
     def migrating(self) -> bool:
         return assignments(self.target) != assignments(self.active)

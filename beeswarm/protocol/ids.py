@@ -10,6 +10,7 @@ PLAN = "/beeswarm/plan/1"  # request: the coordinator's current signed plan
 MEMBERS = "/beeswarm/members/1"  # request: a member's beat to the coordinator, answered with the view
 AUDIT = "/beeswarm/audit/1"  # request: a stage reveals what it computed for one of the asker's sessions
 EVIDENCE = "/beeswarm/evidence/1"  # request: an entry hands the coordinator evidence against a stage
+PASSED = "/beeswarm/passed/1"  # request: an entry tells the coordinator a stage passed its audit of a session
 DIALBACK = "/beeswarm/dialback/1"  # request: dial the asker back on its ports, say where it came from
 
 MEMBERS_TOPIC = "members"  # heartbeats carrying NodeInfo
