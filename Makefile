@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 BUNDLE := dist/beeswarm/beeswarm
 
-.PHONY: demo test test-fast check install bundle
+.PHONY: demo test test-fast check install bundle gpu-check
 
 demo: $(STAMP)
 	$(VENV)/bin/beeswarm demo $(ARGS)
@@ -37,6 +37,10 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" --ignore=tests/test_bundle.py $(PYTEST_ARGS)
 
 install: $(STAMP)
+
+# Every path that needs CUDA, as one table (benchmarks/gpu_check.py; ARGS="--device cpu" runs it on the CPU).
+gpu-check: $(STAMP)
+	cd benchmarks && ../$(PY) gpu_check.py $(ARGS)
 
 bundle: $(BUNDLE)
 
