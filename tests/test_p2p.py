@@ -354,6 +354,18 @@ def test_a_paused_node_does_not_drop_the_members_that_kept_beating(mesh):
     assert a.peer_id in b.members.view() and not left
 
 
+def test_a_swarm_split_in_two_joins_again_through_a_member_one_side_heard_of(mesh):
+    """Chaos, 4 minutes in: a newcomer whose bootstrap died as it joined started a swarm of its own, newcomers
+    joined it, and the two sides never met again (each knew only its own members); the chats' side then died
+    out and every chat lost its route. A member heard of once stays in the address book after it leaves the
+    view and is dialled again: one such dial joins the two sides."""
+    left = mesh(2)
+    right = mesh(2, bootstrap=None)
+    wait_for(lambda: all(len(n.members.view()) == 1 for n in left + right), 15, "two swarms of two")
+    right[1].members.book.saw(left[1].peer_id, tuple(left[1].addrs))  # (heard of it before the split)
+    wait_for(lambda: all(len(n.members.view()) == 3 for n in left + right), 20, "one swarm of four")
+
+
 def test_a_channel_arriving_while_the_node_stops_is_no_error(mesh, caplog):
     """A probe channel that arrived as a chat process exited logged "Nursery is closed to new arrivals" with
     a traceback at ERROR: stopping is quiet."""

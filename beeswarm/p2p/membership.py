@@ -25,6 +25,9 @@ What grows with the swarm is kept flat per node:
   at once): a node keeps links to its coordinator, the members `wanted()` names (the plan's stages,
   also given by `follow`) and NEIGHBOURS others for gossip; other links are dialled on demand. Dials
   back off per unreachable member.
+- Members heard lately stay in an address book after they leave the view, and one of them is dialled
+  now and then (`addressbook`): a node whose bootstrap and neighbours all went, or a swarm split in two,
+  finds the rest of the swarm again.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import msgspec
 import trio
 
 from beeswarm.p2p import addresses
+from beeswarm.p2p.addressbook import AddressBook
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
@@ -90,6 +94,7 @@ class Membership:
         self._published: NodeInfo | None = None
         self._lost: dict[str, float] = {}  # member -> when its connection dropped
         self._dialing: set[str] = set()
+        self.book = AddressBook()  # members heard lately, dialled again once out of view
         self._dial_after: dict[str, tuple[float, float]] = {}  # member -> (next try, backoff)
         self._lease: Callable[[], tuple[str, int] | None] = lambda: None  # (coordinator followed, term): `follow`
         self._wanted: Callable[[], Iterable[str]] = lambda: ()  # members to stay connected to: `follow`
@@ -204,6 +209,7 @@ class Membership:
         if known is None or known.info.addrs != info.addrs:
             self.node.remember_addrs(author, info.addrs)
         with self._lock:
+            self.book.saw(author, _dialable(info))
             old = self._members.get(author)
             self._members[author] = Member(info, max(seen, old.last_seen) if old else seen)
             if old is None or old.info != info:
@@ -310,7 +316,8 @@ class Membership:
         return self._leader() or (self._hint if self._hint in self._members else None)
 
     def _keep_linked(self, now: float) -> None:
-        """Dial the coordinator, the wanted members and NEIGHBOURS others, a few at a time."""
+        """Dial the coordinator, the wanted members and NEIGHBOURS others, a few at a time; now and then a
+        member out of view (`addressbook`)."""
         connected = set(self.node.connected_peers())
         view = self.view()
         wanted = [p for p in (self._coordinator(), *self._wanted()) if p in view]
@@ -323,6 +330,27 @@ class Membership:
             if peer not in connected and peer not in self._dialing and now >= after:
                 self._dialing.add(peer)
                 self.node.spawn(self._dial, view[peer])
+        with self._lock:
+            lost = self.book.due(now, {*self._members, *connected, *self._dialing, self.node.peer_id},
+                                 alone=not self._members)
+        if lost is not None:
+            self._dialing.add(lost[0])
+            self.node.spawn(self._redial, *lost)
+
+    async def _redial(self, peer: str, addrs: tuple[str, ...]) -> None:
+        """Dial a member this node lost sight of (`addressbook`): connected, gossip and beats bring its view."""
+        try:
+            for addr in addrs:
+                try:
+                    await self.node.connect_async(addr, 5.0)
+                    log.info("reached %s again, a member this node had lost sight of", peer)
+                    return
+                except (PeerUnavailable, NodeError) as e:
+                    log.debug("redial %s at %s: %s", peer, addr, e)
+            with self._lock:
+                self.book.failed(peer)
+        finally:
+            self._dialing.discard(peer)
 
     def _relays(self) -> list[str]:
         """Direct addresses of public members that relay (where a private node takes its relay slots)."""
@@ -331,8 +359,7 @@ class Membership:
 
     async def _dial(self, info: NodeInfo) -> None:
         try:
-            dialable = [a for a in info.addrs if addresses.worth_dialling(a)]
-            for addr in sorted(dialable, key=lambda a: "/p2p-circuit" in a):  # direct addresses first
+            for addr in _dialable(info):
                 try:
                     await self.node.connect_async(addr, 5.0)
                     return
@@ -417,3 +444,8 @@ class Membership:
             late = self.clock() - asleep - nap  # (the sleep alone: a beat awaiting a slow coordinator is no pause)
             if late > PAUSED_BEATS * self.interval:
                 self._resumed(self.clock(), late)
+
+
+def _dialable(info: NodeInfo) -> tuple[str, ...]:
+    """Where `info`'s node can be dialled from here, direct addresses first."""
+    return tuple(sorted((a for a in info.addrs if addresses.worth_dialling(a)), key=lambda a: "/p2p-circuit" in a))
