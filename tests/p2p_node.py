@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ def main() -> None:
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
+        faulthandler.dump_traceback_later(8)  # an exit that hangs shows where (the test prints this stderr)
         members.leave()
         node.stop()
         sys.exit(0)

@@ -182,9 +182,12 @@ def test_probe_measures_rtt_and_throughput(swarm):
 
 
 def _spawn(env, *args):
-    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("p2p_node.py")), "--interval",
-                             str(INTERVAL), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env)
+    """tests/p2p_node.py in its own process; its stderr goes to stderr.log in its config folder."""
+    folder = Path(env["BEESWARM_CONFIG_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "stderr.log", "a") as stderr:
+        return subprocess.Popen([sys.executable, str(Path(__file__).with_name("p2p_node.py")), "--interval",
+                                 str(INTERVAL), *args], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
 
 
 def _read_until(proc, prefix: str, timeout: float = 20) -> str:
@@ -228,7 +231,10 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
         # noticed from the dropped connection within about an interval, not after 3 missed heartbeats
         _read_until(first, f"leave {victim_id}", timeout=2 * INTERVAL + 0.5)
         first.send_signal(signal.SIGINT)
-        first.wait(10)
+        try:
+            first.wait(10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit 10 s after SIGINT; its stderr:\n{(tmp_path / 'node0' / 'stderr.log').read_text()}")
         again = _spawn(envs[0])
         procs.append(again)
         assert _read_until(again, "peer ").split()[1] == first_id

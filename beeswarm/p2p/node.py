@@ -123,8 +123,8 @@ class Node:
         if self._thread is None:
             return
         if self._token is not None and self._stop is not None:
-            try:
-                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            try:  # (not waiting for the loop to take it: a loop too busy to answer must not hold up the exit)
+                self._token.run_sync_soon(self._stop.set)
             except trio.RunFinishedError:
                 pass
         self._thread.join(STOP_TIMEOUT_S + 1)
