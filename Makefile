@@ -27,7 +27,7 @@ check: $(STAMP)
 test: $(STAMP) check
 	@mkdir -p build
 	@($(MAKE) --no-print-directory $(BUNDLE) > build/bundle.log 2>&1; echo $$? > build/bundle.rc) & \
-	$(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/test_bundle.py; suite=$$?; wait; \
+	$(PY) -m pytest --durations=20 $(PYTEST_ARGS) --ignore=tests/test_bundle.py; suite=$$?; wait; \
 	if [ "$$(cat build/bundle.rc)" != 0 ]; then tail -40 build/bundle.log; echo "bundle build failed"; exit 1; fi; \
 	BEESWARM_REQUIRE_BUNDLE=1 $(PY) -m pytest $(PYTEST_ARGS) tests/test_bundle.py; bundle=$$?; \
 	exit $$(( suite || bundle ))
