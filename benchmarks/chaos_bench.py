@@ -8,7 +8,8 @@ greedily from a set of prompts, one generation after another; every output is co
 same model in one process (LocalPipeline). Meanwhile, every few seconds, a random contributor (with
 probability `--bias` one of the active route's) is killed with SIGKILL or frozen with SIGSTOP and
 resumed with SIGCONT after a few seconds; a killed one is replaced by a new contributor (a new
-identity) a few seconds later. At least two healthy contributors are always left.
+identity) a few seconds later, joining through three live contributors. At least two healthy contributors
+are always left.
 
 Reported: generations completed, wrong (tokens differ from the reference) and lost (generate raised),
 recoveries (re-routes after a stage failed, each with its reason), and for every fault that hit a
@@ -50,7 +51,8 @@ SNIPPETS = [
     "# binary search\ndef search(items, target):\n", "async def fetch(url):\n", "x = [i * i for i in",
 ]
 GREEDY = SamplingParams()
-STEP_TIMEOUT_S = 30.0  # RemotePipeline's: a frozen stage is given up on after this
+STEP_TIMEOUT_S = 30.0
+JOINS = 3  # live contributors a replacement joins through  # RemotePipeline's: a frozen stage is given up on after this
 
 
 # --- reference --------------------------------------------------------------------------------------
@@ -155,11 +157,13 @@ class Chaos:
 
     def spawn(self) -> Child:
         alive = self.healthy() or [c for c in self.swarm.children if c.process.poll() is None and c.addr]
-        join = self.rng.choice(alive).addr
+        # through JOINS of them, as a swarm publishes several bootstrap addresses: with one, a newcomer whose pick
+        # was itself cut off (its own bootstrap killed as it joined) grew a second swarm the chats never met
+        joins = [c.addr for c in self.rng.sample(alive, min(JOINS, len(alive)))]
         index = max(c.index for c in self.swarm.children) + 1
-        child = self.swarm._spawn(index, self.budget, join)
+        child = self.swarm._spawn(index, self.budget, joins)
         self.swarm.children.append(child)
-        self.events.append({"t": time.monotonic(), "action": "start", "index": index, "join": join})
+        self.events.append({"t": time.monotonic(), "action": "start", "index": index, "join": joins})
         return child
 
     def fault(self) -> None:

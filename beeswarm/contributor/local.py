@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,12 +100,12 @@ class LocalSwarm:
         self.children: list[Child] = []
         self.num_layers = 0
 
-    def _spawn(self, index: int, budget: int, join: str | None) -> Child:
+    def _spawn(self, index: int, budget: int, joins: Sequence[str] = ()) -> Child:
         port = self.base_port + index if self.base_port else 0
         cmd = [*beeswarm_command(), "--log-level", self.log_level, "contribute", "--headless", "--json-events",
                "--model", self.model, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory", str(budget),
                "--device", self.device, "--heartbeat", str(self.heartbeat), "--quant", self.quant]
-        if join:
+        for join in joins:
             cmd += ["--join", join]
         if self.announce:
             cmd += ["--announce", self.announce[index]]
@@ -152,7 +152,7 @@ class LocalSwarm:
         if not 1 <= self.n <= self.num_layers:
             raise LocalSwarmError(f"--local {self.n}: the model has {self.num_layers} layers; use 1..{self.num_layers}")
         sizes = budgets(self.model, self.n, device=self.device, quant=self.quant)
-        first = self._spawn(0, sizes[0], None)
+        first = self._spawn(0, sizes[0])
         self.children.append(first)
         deadline = time.monotonic() + timeout
         while first.addr is None:
@@ -161,7 +161,7 @@ class LocalSwarm:
                 raise LocalSwarmError(f"the first contributor did not start (exit status {first.process.poll()})")
             time.sleep(0.05)
         for i in range(1, self.n):
-            self.children.append(self._spawn(i, sizes[i], first.addr))
+            self.children.append(self._spawn(i, sizes[i], [first.addr]))
         return first.addr
 
     def covered(self) -> bool:
