@@ -51,8 +51,8 @@ SNIPPETS = [
     "# binary search\ndef search(items, target):\n", "async def fetch(url):\n", "x = [i * i for i in",
 ]
 GREEDY = SamplingParams()
-STEP_TIMEOUT_S = 30.0
-JOINS = 3  # live contributors a replacement joins through  # RemotePipeline's: a frozen stage is given up on after this
+STEP_TIMEOUT_S = 30.0  # RemotePipeline's: a frozen stage is given up on after this
+JOINS = 3  # live contributors a replacement joins through
 
 
 # --- reference --------------------------------------------------------------------------------------
