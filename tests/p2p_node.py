@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -21,6 +22,9 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--secret-env", default=None)
     args = ap.parse_args()
+    # a job started in the background (as CI runs the suite) inherits SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler: the test's SIGINT went unheard and the node never left
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     me = identity.load_or_create()
     secret = os.environ[args.secret_env].encode() if args.secret_env else None
     node = Node(me, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=args.bootstrap, secret=secret))
