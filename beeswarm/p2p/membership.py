@@ -340,13 +340,9 @@ class Membership:
     async def _redial(self, peer: str, addrs: tuple[str, ...]) -> None:
         """Dial a member this node lost sight of (`addressbook`): connected, gossip and beats bring its view."""
         try:
-            for addr in addrs:
-                try:
-                    await self.node.connect_async(addr, 5.0)
-                    log.info("reached %s again, a member this node had lost sight of", peer)
-                    return
-                except (PeerUnavailable, NodeError) as e:
-                    log.debug("redial %s at %s: %s", peer, addr, e)
+            if await self._connect_any(peer, addrs):
+                log.info("reached %s again, a member this node had lost sight of", peer)
+                return
             with self._lock:
                 self.book.failed(peer)
         finally:
@@ -359,18 +355,24 @@ class Membership:
 
     async def _dial(self, info: NodeInfo) -> None:
         try:
-            for addr in _dialable(info):
-                try:
-                    await self.node.connect_async(addr, 5.0)
-                    return
-                except (PeerUnavailable, NodeError) as e:
-                    log.debug("dial %s at %s: %s", info.peer, addr, e)
+            if await self._connect_any(info.peer, _dialable(info)):
+                return
             with self._lock:  # unreachable: try again later, less often each time
                 _, backoff = self._dial_after.get(info.peer, (0.0, DIAL_BACKOFF_S[0] / 2))
                 backoff = min(DIAL_BACKOFF_S[1], backoff * 2)
                 self._dial_after[info.peer] = (self.clock() + backoff, backoff)
         finally:
             self._dialing.discard(info.peer)
+
+    async def _connect_any(self, peer: str, addrs: tuple[str, ...]) -> bool:
+        """Dial `peer` at each of `addrs` in turn until one connects; False when none does."""
+        for addr in addrs:
+            try:
+                await self.node.connect_async(addr, 5.0)
+                return True
+            except (PeerUnavailable, NodeError) as e:
+                log.debug("dial %s at %s: %s", peer, addr, e)
+        return False
 
     def _expired(self, now: float) -> list[tuple[NodeInfo, str]]:
         """Members to drop now, with why: silent for MISSED_BEATS of their period, or disconnected."""
