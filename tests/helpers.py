@@ -122,26 +122,46 @@ def in_terminal(argv: list[str], env: dict, shown: bytes, keys: bytes, timeout: 
 
 
 def start_contributors(procs: list, model, n: int, max_memory: int, env: dict, tmp_path, join: str | None = None,
-                       extra_env: dict[int, dict] | None = None) -> tuple[dict, str]:
+                       extra_env: dict[int, dict] | None = None, logs=None) -> tuple[dict, str]:
     """`n` headless `contribute` processes on 127.0.0.1, each offering `max_memory` bytes, the first the
     bootstrap (or all joining `join`); each is added to `procs` as it starts (the caller kills them, even
-    after a failure here); `extra_env[i]`: more environment for the i-th. Returns (peer id -> process,
-    the bootstrap address)."""
+    after a failure here); `extra_env[i]`: more environment for the i-th; `logs`: a folder for their logs
+    (`node<i>.log`, INFO). Returns (peer id -> process, in the order started; the bootstrap address).
+    Those joining a bootstrap start at once, side by side (each spends seconds importing torch)."""
     import subprocess
     import sys
 
-    peers, boot = {}, join
-    for i in range(len(procs), len(procs) + n):
-        cmd = [sys.executable, "-m", "beeswarm", "contribute", "--headless", "--model", str(model),
-               "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory", str(max_memory), "--heartbeat", "1"]
-        proc = subprocess.Popen(cmd + (["--join", boot] if boot else []), stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True,
-                                env={**env, **(extra_env or {}).get(i, {}),
-                                     "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
+    def start(i: int, boot: str | None):
+        cmd = [sys.executable, "-m", "beeswarm", *(["--log-level", "INFO"] if logs else []), "contribute",
+               "--headless", "--model", str(model), "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory",
+               str(max_memory), "--heartbeat", "1", *(["--join", boot] if boot else [])]
+        with open(logs / f"node{i}.log", "w") if logs else open(os.devnull, "w") as err:  # the child keeps a copy
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env={**env, **(extra_env or {}).get(i, {}),
+                                         "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
         procs.append(proc)
-        q = lines_of(proc)
+        return proc, lines_of(proc)
+
+    peers, first, boot = {}, len(procs), join
+    if boot is None:
+        proc, q = start(first, None)
         peers[read_until(q, "peer ", 60)[0].split()[1]] = proc
-        if boot is None:
-            boot = read_until(q, "addr ", 10)[0].split()[1]
-    assert boot is not None
+        boot = read_until(q, "addr ", 10)[0].split()[1]
+        first += 1
+    started = [start(i, boot) for i in range(first, len(procs) + n - len(peers))]
+    for proc, q in started:
+        peers[read_until(q, "peer ", 90)[0].split()[1]] = proc
     return peers, boot
+
+
+def serve(model: str, join: str, env: dict, log, *extra: str):
+    """A `beeswarm serve` process (its log in the file `log`) and the API's base URL."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "--log-level", "INFO", "serve", "--join", join,
+                             "--model", model, "--port", "0", "--json", "--heartbeat", "1", *extra],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    line, _ = read_until(lines_of(proc), '{"event": "serving"', 120)
+    return proc, json.loads(line)["url"]

@@ -5,11 +5,9 @@ a replica) and a `serve` process in front of them, with an API key and --max-con
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from beeswarm.contributor.local import budgets
-from helpers import lines_of, read_until, reference_greedy, start_contributors, wait_for
+from helpers import reference_greedy, serve, start_contributors, wait_for
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
@@ -49,15 +47,6 @@ class Served:
                 tokens = tokens[:tokens.index(eos) + 1]
             self._references[key] = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return self._references[key]
-
-
-def serve(model: str, join: str, env: dict, log, *extra: str) -> tuple[subprocess.Popen, str]:
-    """A `beeswarm serve` process (its log in the file `log`) and the API's base URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "--log-level", "INFO", "serve", "--join", join,
-                             "--model", model, "--port", "0", "--json", "--heartbeat", "1", *extra],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    line, _ = read_until(lines_of(proc), '{"event": "serving"', 120)
-    return proc, json.loads(line)["url"]
 
 
 @pytest.fixture(scope="module")
