@@ -62,6 +62,12 @@ $(STAMP): pyproject.toml
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need; \
 		else echo "netbed tests will skip: install$$need as root (apt-get install$$need)"; fi; \
 	fi
+	@# The web app's tests (tests/test_web.py) drive Debian's Chromium with Playwright; without it they skip, saying so.
+	@if command -v dpkg >/dev/null && ! command -v chromium >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+		else echo "web app tests will skip: install chromium as root (apt-get install chromium)"; fi; \
+	fi
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "beeswarm needs Python >= 3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)

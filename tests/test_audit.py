@@ -23,7 +23,7 @@ from beeswarm.audit.evidence import judge, sign_evidence
 from beeswarm.audit.faults import ENV, Fault, _token_direction
 from beeswarm.audit.probation import PROBATION_PASSES
 from beeswarm.audit.retention import LoggedStep, StepLog
-from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps, StageFailed
+from beeswarm.client.remote import Inbox, RemotePipeline, SentStep, SessionSteps, StageFailed
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
@@ -248,7 +248,7 @@ def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh,
     sender, reply, _ = got
     assert sender == stages[1].peer_id and reply.culprit == liar.peer_id and "commitment" in reply.error
     # and an entry takes no result without every stage's commitment
-    sent = (commitments.context(0, None, None), commitments.digest(hidden))
+    sent = SentStep(commitments.context(0, None, None), commitments.digest(hidden), 0, 2)
     with pytest.raises(StageFailed, match="0 commitments"):
         pipe.check_commits(session, 0, pipe.route, sent, Result(session=session, step=0, frame=b""), hidden)
 

@@ -58,6 +58,15 @@ def test_demo_serves_the_openai_api_from_the_bundle(env):
             "model": "tinycode", "messages": [{"role": "user", "content": "def "}], "max_tokens": 6,
             "temperature": 0}).json()
         assert reply["usage"]["completion_tokens"] >= 1 and reply["choices"][0]["message"]["content"]
+        # the web app ships inside the bundle: its page, its script and style, and the swarm it shows
+        root = url.removesuffix("/v1")
+        page = httpx.get(root + "/")
+        assert page.status_code == 200 and "<title>beeswarm</title>" in page.text
+        for asset in ("/static/app.js", "/static/app.css"):
+            assert httpx.get(root + asset).status_code == 200, asset
+        assert httpx.get(root + "/api/config").json()["model"] == "tinycode"
+        swarm = httpx.get(root + "/api/swarm").json()
+        assert swarm["complete"] and sum(m["role"] == "contributor" for m in swarm["members"]) == 3
     finally:
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(30) == 0

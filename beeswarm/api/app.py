@@ -31,6 +31,7 @@ from starlette.routing import Route
 from beeswarm.api import schema
 from beeswarm.api.engine import Cancelled, Completer, Job, Outcome, Rewind, chat_prompt, text_prompt
 from beeswarm.api.schema import ApiError, ChatRequest, CompletionRequest
+from beeswarm.api.webapp import WebApp
 
 log = logging.getLogger(__name__)
 _END = object()
@@ -71,10 +72,11 @@ class Api:
         self.created = int(time.time())
 
     def app(self) -> Starlette:
+        web = WebApp(self.completer, self.api_key is not None, self._refusal)
         routes = [Route("/health", self.health), Route("/v1/models", self.models),
                   Route("/v1/models/{model:path}", self.model),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"])]
+                  Route("/v1/completions", self.completions, methods=["POST"]), *web.routes()]
         return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error, Exception: self._bug})
 
     # errors ----------------------------------------------------------------------------------------
@@ -93,6 +95,13 @@ class Api:
         scheme, _, key = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+
+    def _refusal(self, request: Request) -> Response | None:
+        try:
+            self._authorize(request)
+        except ApiError as e:
+            return error_response(e)
+        return None
 
     def _check_model(self, model: str) -> None:
         if model != self.completer.model_id:
@@ -118,10 +127,8 @@ class Api:
         return {"id": self.completer.model_id, "object": "model", "created": self.created, "owned_by": "beeswarm"}
 
     async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except ApiError as e:
-            return error_response(e)
+        if refused := self._refusal(request):
+            return refused
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:

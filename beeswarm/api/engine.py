@@ -53,11 +53,15 @@ class Outcome:
     route: Route
     recoveries: int
     accepted_per_round: float | None
+    ttft_s: float = 0.0
+    tokens_per_s: float = 0.0
+    audits: dict[str, int] = field(default_factory=dict)  # settled while it ran (concurrent requests' too)
 
     def extras(self) -> dict[str, Any]:
         """The `beeswarm` object of a response: clients that do not know it ignore it."""
         return {"route": [{"peer": s.node, "start": s.span.start, "end": s.span.end} for s in self.route],
-                "recoveries": self.recoveries, "accepted_per_round": self.accepted_per_round}
+                "recoveries": self.recoveries, "accepted_per_round": self.accepted_per_round,
+                "ttft_s": round(self.ttft_s, 3), "tokens_per_s": round(self.tokens_per_s, 2), "audits": self.audits}
 
 
 def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
@@ -120,6 +124,7 @@ class Completer:
         `Rewind` when an audit took text back."""
         stream, stop = TextStream(self.tokenizer), StopText(job.stops)
         eos = set() if job.ignore_eos else set(stop_ids(self.tokenizer))
+        audits_before = self.client.audits.as_json()
 
         def on_rewind(keep: int) -> None:
             nonlocal stream, stop
@@ -149,7 +154,9 @@ class Completer:
         rest = stop.push(stream.flush()) + stop.flush()
         if rest:
             on_text(rest)
-        tokens = result.generation.tokens
-        finished = stop.hit or bool(tokens) and tokens[-1] in eos
+        gen = result.generation
+        finished = stop.hit or bool(gen.tokens) and gen.tokens[-1] in eos
         spec = result.spec.as_json()["accepted_per_round"] if result.spec else None
-        return Outcome(len(tokens), "stop" if finished else "length", result.route, result.recoveries, spec)
+        audits = {k: v - audits_before[k] for k, v in self.client.audits.as_json().items()}
+        return Outcome(len(gen.tokens), "stop" if finished else "length", result.route, result.recoveries, spec,
+                       gen.ttft_s, gen.tokens_per_s, audits)

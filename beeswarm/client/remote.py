@@ -19,6 +19,7 @@ import torch
 from beeswarm import codec
 from beeswarm.audit import commitments
 from beeswarm.audit.auditor import Auditor
+from beeswarm.client.receipts import ReceiptBook
 from beeswarm.p2p.channel import Channel, ChannelPool
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
@@ -114,12 +115,22 @@ class StageBusy(StageFailed):
     serve the span the entry's plan names (yet, or any more)."""
 
 
+@dataclass(frozen=True)
+class SentStep:
+    """A step sent and not yet back: the digests of its context and input, its first position and how many."""
+    context: bytes
+    input: bytes
+    start: int
+    positions: int
+
+
 class RemotePipeline:
     def __init__(self, node: Node, inbox: Inbox, entry: EntryModel, route: Route, mode: str = "push",
                  link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0, compress: bool = True,
-                 auditor: Auditor | None = None):
+                 auditor: Auditor | None = None, receipts: ReceiptBook | None = None):
         """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons);
-        `auditor`: gets every step's checked commitments (None: they are checked, then dropped).
+        `auditor`: gets every step's checked commitments (None: they are checked, then dropped); `receipts`:
+        counts the work they show.
         Call `close()` when done with it: it stops watching the route's connections."""
         if mode not in ("push", "hops"):
             raise ValueError(f"mode must be push or hops, got {mode!r}")
@@ -137,8 +148,8 @@ class RemotePipeline:
         node.on_peer_connected.append(self.found)
         self._channels = ChannelPool(node.open_channel)
         self._step_ids = itertools.count()
-        self.auditor = auditor
-        self._sent: dict[tuple[str, int], tuple[bytes, bytes]] = {}  # step -> digests of its context and input
+        self.auditor, self.receipts = auditor, receipts
+        self._sent: dict[tuple[str, int], SentStep] = {}
 
     def close(self) -> None:
         if self._on_disconnected in self.node.on_peer_disconnected:
@@ -160,12 +171,13 @@ class RemotePipeline:
         """A session on every stage of the route; if one stage refuses, those already opened are closed."""
         session = os.urandom(8).hex()
         push = self.mode == "push"
+        payer, payer_sig = self.receipts.vouch(session) if self.receipts else (None, b"")
         for i, stage in enumerate(self.route):
             prev = self.route[i - 1].node if push and i > 0 else self.node.peer_id
             nxt = self.route[i + 1].node if push and i < len(self.route) - 1 else None
             try:
                 self._request(stage, Open(session=session, max_length=max_length, prev=prev, next=nxt,
-                                          span=stage.span, compress=self.compress))
+                                          span=stage.span, compress=self.compress, payer=payer, payer_sig=payer_sig))
             except StageFailed:
                 self.close_session(session, self.route[:i])
                 raise
@@ -242,7 +254,8 @@ class RemotePipeline:
         frame = tensors.encode(hidden, self.links[stage.node], "auto" if self.compress else "raw")
         msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame,
                    mask=tensors.encode_mask(tree_mask), keep=keep, cancel=cancel)
-        self._sent[(session, step)] = (commitments.context(start, msg.mask, keep), commitments.digest(hidden))
+        self._sent[(session, step)] = SentStep(commitments.context(start, msg.mask, keep), commitments.digest(hidden),
+                                            start, hidden.shape[-2])
         self.inbox.expect((session, step))
         try:
             self._channels.send(stage.node, ids.STEP, encode(msg))
@@ -278,15 +291,17 @@ class RemotePipeline:
         self.check_commits(session, step, stages, sent, reply, hidden)
         if self.auditor is not None:
             self.auditor.observe(session, reply.commits)
+        if self.receipts is not None:
+            self.receipts.count(session, reply.commits, sent.start, sent.positions)
         return hidden, arrived
 
-    def check_commits(self, session: str, step: int, stages: Route, sent: tuple[bytes, bytes], reply: Result,
+    def check_commits(self, session: str, step: int, stages: Route, sent: SentStep, reply: Result,
                        hidden: torch.Tensor) -> None:
         """Every stage's commitment must be there, signed, and chained: each one's input what the one before
         it sent, the first one's what this entry sent, the last one's output what came back. An honest stage
         checks its predecessor's before computing, so the first stage whose commitment breaks the chain is
         the one to blame; where both links are signed by stages, that is evidence for everyone."""
-        context, previous = sent
+        context, previous = sent.context, sent.input
         commits = reply.commits
         if len(commits) != len(stages):
             raise StageFailed(stages[-1].node, f"{len(commits)} commitments for a route of {len(stages)} stages")

@@ -5,20 +5,27 @@ follows the signed plans, it never plans), the parts `SwarmClient` uses.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.swarm_report import StatusReport, report
 from beeswarm.p2p import identity
+from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import ProtocolError, RemoteError, ids
 from beeswarm.protocol.coordinator import assignments
+from beeswarm.protocol.credits import LEDGER_LIMIT, LedgerRequest, LedgerState, SignedLedger
 from beeswarm.protocol.membership import NodeInfo
 
 # Right after joining, gossipsub hands a newcomer the last few seconds of messages it missed (IHAVE/IWANT),
 # in no particular order: a member's older heartbeat ("loading", no spans) can arrive after its newest.
 # A member's info is trusted once a heartbeat of it arrived this long after the start.
 REPLAY_S = 2.0
+log = logging.getLogger(__name__)
+_ledger_replies = reply_decoder(SignedLedger, limit=LEDGER_LIMIT)
 
 
 class Unreachable(Exception):
@@ -75,9 +82,29 @@ class SwarmObserver:
             time.sleep(0.1)
 
     def report(self) -> StatusReport:
-        now = self.members.clock()
-        heard = self.members.members()
-        lease = self.coordinator.lease
-        return report({peer: m.info for peer, m in heard.items()},
-                      {peer: now - m.last_seen for peer, m in heard.items()}, self.coordinator.state,
-                      lease.leader if lease else None, lease.term if lease else 0, lease.epoch if lease else 0)
+        return observe(self.members, self.coordinator)
+
+    def ledger(self, timeout: float) -> LedgerState:
+        """The credit ledger the coordinator holds now (asked directly: gossip brings it only on change and every
+        half minute), or the newest heard; raises Unreachable when there is neither."""
+        leader = self.coordinator.leader()
+        if leader is not None:
+            try:
+                signed = self.node.request(leader, ids.CREDITS, LedgerRequest(), _ledger_replies, timeout=timeout)
+                self.coordinator.take_ledger(leader, signed)
+            except (TimeoutError, NodeError, RemoteError, ProtocolError) as e:
+                log.info("could not get the ledger from the coordinator %s: %s", leader, e)
+        if not self.coordinator.ledger_state.coordinator:
+            raise Unreachable("no credit ledger yet: no receipt has been recorded in this swarm, or no coordinator "
+                              "answered")
+        return self.coordinator.ledger_state
+
+
+def observe(members: Membership, coordinator: PlanFollower) -> StatusReport:
+    """The swarm as this node hears it now: its membership view, the plan it follows, the lease it knows."""
+    now = members.clock()
+    heard = members.members()
+    lease = coordinator.lease
+    return report({peer: m.info for peer, m in heard.items()}, {peer: now - m.last_seen for peer, m in heard.items()},
+                  coordinator.state, lease.leader if lease else None, lease.term if lease else 0,
+                  lease.epoch if lease else 0, coordinator.ledger_state)

@@ -15,10 +15,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
+from libp2p.crypto.keys import KeyPair
 
 from beeswarm import codec
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.auditor import AuditCounts, Auditor
+from beeswarm.client.receipts import ReceiptBook
 from beeswarm.client.remote import Inbox, RemotePipeline, Route, SessionSteps, StageBusy, StageFailed
 from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.generation.generate import EndGeneration, Generation, generate, new_generator
@@ -28,6 +30,7 @@ from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.p2p.probe import Prober
 from beeswarm.protocol.coordinator import Pipeline
+from beeswarm.protocol.credits import swarm_id
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
 from beeswarm.shard.entry import EntryModel
@@ -203,9 +206,11 @@ class SwarmClient:
     """Generation through the swarm. Its parts are injected; `create` builds them; `start()` starts the node."""
 
     def __init__(self, entry: EntryModel, node: Node, members: Membership, coordinator: PlanFollower,
-                 options: ClientOptions | None = None, draft: DraftModel | None = None, tuner: Tuner | None = None):
+                 options: ClientOptions | None = None, draft: DraftModel | None = None, tuner: Tuner | None = None,
+                 payer: KeyPair | None = None):
         """`coordinator`: the coordinator as this client follows it (its lease and plans); `draft`: speculate
-        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations."""
+        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations; `payer`:
+        the key whose credit its generations spend (None: its node's own)."""
         self.entry, self.node, self.members, self.coordinator = entry, node, members, coordinator
         self.options = options or ClientOptions()
         self.draft, self.tuner = draft, tuner or Tuner()
@@ -221,6 +226,7 @@ class SwarmClient:
                                coordinator.leader, standing=self._standing) \
             if self.options.audit_rate > 0 else None
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
+        self.receipts = ReceiptBook(node, swarm_id(node.config.swarm, str(entry.ref)), payer)
 
     @property
     def audits(self) -> AuditCounts:
@@ -254,14 +260,15 @@ class SwarmClient:
     def create(cls, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None, interval: float = 3.0,
                listen: list[str] | None = None, announce: list[str] | None = None,
                options: ClientOptions | None = None, draft: DraftModel | None = None,
-               tuner: Tuner | None = None, relays: list[str] | None = None) -> SwarmClient:
+               tuner: Tuner | None = None, relays: list[str] | None = None,
+               payer: KeyPair | None = None) -> SwarmClient:
         """A client with a fresh identity, joining through `bootstrap` (not started)."""
         me = identity.ephemeral()
         node = Node(me, NodeConfig(listen=listen or ["/ip4/0.0.0.0/tcp/0"], announce=announce or [],
                                    bootstrap=bootstrap, secret=secret, relays=relays or []))
         members = Membership(node, NodeInfo(peer=me.peer_id, role="client", state="serving"), interval=interval)
         coordinator = PlanFollower(node, members, interval=interval)  # a client follows plans, never makes them
-        return cls(entry, node, members, coordinator, options, draft, tuner)
+        return cls(entry, node, members, coordinator, options, draft, tuner, payer)
 
     def start(self) -> SwarmClient:
         self.members.listeners.append(self._on_member)
@@ -311,6 +318,7 @@ class SwarmClient:
             pipe.close()
         if self.auditor is not None:
             self.auditor.close()
+        self.receipts.drain()
         self.node.stop()
 
     def route(self, timeout: float = 60.0) -> Pipeline:
@@ -345,7 +353,8 @@ class SwarmClient:
                              self._retired[1] + sum(p.raw_bytes for p in retired))
             if route not in self._pipes:
                 self._pipes[route] = RemotePipeline(self.node, self.inbox, self.entry, route, o.mode,
-                                                    o.link_bytes_per_s, compress=o.compress, auditor=self.auditor)
+                                                    o.link_bytes_per_s, compress=o.compress, auditor=self.auditor,
+                                                    receipts=self.receipts)
             pipe = self._pipes[route]
         for old in retired:
             old.close()
@@ -379,6 +388,8 @@ class SwarmClient:
                 if self.auditor:
                     self.auditor.settle(progress.sessions, timeout=0)  # forget them: nobody waits for their verdicts
                 raise
+            finally:  # what the stages served, receipted (to those no audit caught)
+                self.receipts.settle(progress.sessions, set(self.caught))
         finally:
             if speculate:
                 self._draft_busy.release()
@@ -419,6 +430,7 @@ class SwarmClient:
         try:
             session = pipe.open(max_length)
             progress.sessions.append(session)
+            self.receipts.begin(session, len(progress.request.prompt_ids) + len(progress.tokens))
             try:
                 self._decode(progress, pipe, session, self.options.micro_batches or micro_batches, in_flight,
                              max_length)

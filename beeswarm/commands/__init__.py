@@ -3,9 +3,10 @@ the module's `run(args)`, which returns the exit status). Only `beeswarm.cli` im
 import what a command runs (torch, py-libp2p, Textual...) inside `run`, so that parsing and --help stay fast."""
 from __future__ import annotations
 
-from beeswarm.commands import bench, chat, contribute, demo, identity, plan, serve, status, swarm
+from beeswarm.commands import bench, chat, contribute, credits, demo, identity, plan, serve, status, swarm
 
-COMMANDS = (demo, swarm, chat, serve, status, plan, contribute, bench, identity)  # the order --help lists them in
+# the order --help lists them in
+COMMANDS = (demo, swarm, chat, serve, status, credits, plan, contribute, bench, identity)
 
 
 def add_parsers(sub) -> None:

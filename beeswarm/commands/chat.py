@@ -26,6 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_secret(chat)
     options.add_heartbeat(chat)
     chat.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    options.add_payer(chat)
     options.add_entry_addrs(chat)
     chat.set_defaults(func=run)
     return chat

@@ -23,6 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     demo.add_argument("--serve", action="store_true", help="serve the OpenAI-compatible API instead of chatting")
     options.add_serve(demo)
+    options.add_payer(demo)
     options.add_entry_addrs(demo)
     options.add_relay(demo)
     demo.set_defaults(func=run, client_hops=False, heartbeat=1.0)

@@ -41,6 +41,12 @@ def add_entry_addrs(p: argparse.ArgumentParser) -> None:
                    help="an address peers should dial (a port-forward or a public address)")
 
 
+def add_payer(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--identity", choices=("ephemeral", "machine"), default="ephemeral",
+                   help="whose credit generating spends: a fresh identity's free allowance (default), or this "
+                        "machine's key, the one `contribute` earns with")
+
+
 def add_contributor_addrs(p: argparse.ArgumentParser) -> None:
     """Where a contributor's node listens, what it announces, and whether it relays for others."""
     p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR")

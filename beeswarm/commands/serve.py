@@ -21,6 +21,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     options.add_secret(serve)
     options.add_heartbeat(serve)
     serve.add_argument("--json", action="store_true", help="print the serving line as a JSON object")
+    options.add_payer(serve)
     options.add_entry_addrs(serve)
     serve.set_defaults(func=run)
     return serve

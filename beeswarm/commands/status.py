@@ -78,13 +78,15 @@ def render(report: StatusReport, color: bool = False) -> list[str]:
     else:
         out.append("coordinator: none heard")
     out.append("")
+    credits = any(m.credit for m in report.members)  # the column once the ledger has accounts
     out.append(f"  {'peer':<14} {'role':<11} {'state':<8} {'reach':<8} {'layers':<18} {'device':<8} {'tok/s':>7} "
-               f"{'busy':>5} {'heartbeat':>10}")
+               f"{'busy':>5} {'heartbeat':>10}" + (f" {'credit':>12}" if credits else ""))
     for m in report.members:
         layers = " ".join(str(s) for s in m.spans) or "-"
         mark = "*" if m.coordinator else " "
+        credit = (f" {m.credit.balance:>12,}" if m.credit else f" {'-':>12}") if credits else ""
         out.append(f"{mark} {short(m.peer):<14} {m.role:<11} {m.state:<8} {m.reach:<8} {layers:<18} {m.device:<8} "
-                   f"{m.tokens_per_s:>7.1f} {m.busy:>5.0%} {m.heartbeat_age_s:>7.1f} s")
+                   f"{m.tokens_per_s:>7.1f} {m.busy:>5.0%} {m.heartbeat_age_s:>7.1f} s{credit}")
     out.append("")
     if not report.num_layers:
         out.append("coverage: unknown (no plan heard and no member serves a span)")

@@ -11,6 +11,7 @@ dashboard shows.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from beeswarm.audit import evidence
 from beeswarm.audit.faults import Fault
+from beeswarm.contributor.credits import ReceiptBox
 from beeswarm.contributor.lifecycle import Lifecycle, Phase
 from beeswarm.contributor.stage import StageServer
 from beeswarm.contributor.status import (
@@ -34,6 +36,7 @@ from beeswarm.contributor.status import (
     ShardFigures,
 )
 from beeswarm.coordinator.cluster import ModelShape, Workload
+from beeswarm.coordinator.credits import CreditKeeper
 from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.service import Coordinator, Judge
 from beeswarm.p2p.identity import Identity
@@ -44,6 +47,7 @@ from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import ids
 from beeswarm.protocol.audit import Reveal, Revealed
 from beeswarm.protocol.coordinator import PlanState, stages_of
+from beeswarm.protocol.credits import swarm_id
 from beeswarm.protocol.membership import NodeInfo, Quant
 from beeswarm.protocol.spans import Span
 from beeswarm.shard import benchmark
@@ -116,6 +120,9 @@ class Contributor:
         self.coordinator = lead(functools.partial(evidence.judge, runtime_for=self._audit_runtime,
                                                   max_bytes=node.config.max_tensor_bytes,
                                                   ask_reveal=self._ask_reveal))
+        swarm = swarm_id(node.config.swarm, str(options.model))
+        self.credits = CreditKeeper(self.coordinator.follower, swarm)  # records receipts while this node leads
+        self.receipts = ReceiptBox(self.coordinator.follower, swarm, local=self.credits.hand_in)
 
     @classmethod
     def create(cls, identity: Identity, options: ContributorOptions,
@@ -129,6 +136,10 @@ class Contributor:
         shape, workload = model_shape(o.model, o.device, o.dtype, o.quant), Workload(context_tokens=o.context_tokens)
         return cls(identity, options, node, members,
                    lambda judge: Coordinator(follower, shape, workload, judge=judge), Prober(node), say)
+
+    def _credit(self, payer: str) -> int | None:
+        """`payer`'s balance in the newest ledger this node followed (None: it has no account there)."""
+        return next((b.balance for b in self.coordinator.follower.ledger_state.balances if b.node == payer), None)
 
     def _ask_reveal(self, stage: str, entry: str, session: str, step: int) -> Revealed:
         """As the coordinator judging `entry`'s word that `stage` refused it: ask `stage` ourselves."""
@@ -182,6 +193,8 @@ class Contributor:
         self.coordinator.follower.listeners.append(self._on_plan)
         self.members.start()
         self.coordinator.start()
+        self.credits.start()
+        self.receipts.start()
         self.prober.start()
         self.node.on_failure.append(self._node_failed)
         self.node.start()
@@ -327,6 +340,8 @@ class Contributor:
                                  history, traffic.raw_in, traffic.wire_in, traffic.raw_out, traffic.wire_out,
                                  server.reveals, server.step_log.nbytes, excluded) \
             if server and traffic else ServingFigures(history=history, excluded=excluded)
+        serving = dataclasses.replace(serving, credit=self._credit(me.peer), receipts=self.receipts.counts.taken,
+                                      receipts_waiting=self.receipts.pending)
         return snapshot(
             state=facts.phase.value, coordinator=lease.leader if lease else None,
             term=lease.term if lease else 0, epoch=self.coordinator.state.epoch, addrs=tuple(self.node.addrs),
@@ -384,7 +399,8 @@ class Contributor:
                 self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
                                           link_rate=self._link_rate,
                                           fault=Fault.from_env(runtime.folder, runtime.hidden_size),
-                                          coordinator=self.coordinator.follower.leader).start()
+                                          coordinator=self.coordinator.follower.leader,
+                                          credit=self._credit).start()
             else:
                 self.server.add(runtime)  # the old span keeps serving until the plan drops it
             self.lifecycle.loaded(span, offload_fraction, self.server.spans)

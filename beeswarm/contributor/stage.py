@@ -33,12 +33,15 @@ from beeswarm.audit import commitments
 from beeswarm.audit.evidence import reveal
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.retention import LoggedStep, StepLog
+from beeswarm.contributor import admission
+from beeswarm.contributor.admission import Waiting
 from beeswarm.p2p.channel import Channel, ChannelPool
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
+from beeswarm.p2p.signatures import verify_bytes
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, Span, encode, ids
 from beeswarm.protocol.audit import Reveal
-from beeswarm.protocol.session import Close, Closed, Open, Opened
+from beeswarm.protocol.session import Close, Closed, Open, Opened, open_body
 from beeswarm.protocol.step import Commit, Result, Step, StepError
 from beeswarm.shard import tensors
 from beeswarm.shard.errors import SessionError
@@ -64,6 +67,8 @@ class _Session:
     last_used: float
     compress: bool = True  # False: raw frames (the entry asked for no compression, for comparisons)
     kv_bytes: int = 0  # the KV cache allocated for it
+    payer: str = ""  # whose credit it spends (the entry's own, or the payer that signed for it)
+    served: int = 0  # layer-tokens computed for it (logged at its end: the stage's own tally of its receipts)
 
 
 class _PreviousLied(ProtocolError):
@@ -99,12 +104,14 @@ class StageServer:
                  link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None,
                  link_rate: Callable[[str], float | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, step_log: StepLog | None = None,
-                 fault: Fault | None = None, coordinator: Callable[[], str | None] = lambda: None):
+                 fault: Fault | None = None, coordinator: Callable[[], str | None] = lambda: None,
+                 credit: Callable[[str], int | None] = lambda payer: None):
         """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows);
         `link_rate(peer)`: measured bytes/s towards a peer (link probes), for the codec's choice;
         `clock`: monotonic seconds, for idle expiry; `step_log`: what is kept for audits' reveals;
         `fault`: misbehave on purpose (tests only, see `audit.faults`); `coordinator()`: the peer that may
-        ask for reveals of other entries' sessions (judging a refusal)."""
+        ask for reveals of other entries' sessions (judging a refusal); `credit(payer)`: its balance in the
+        swarm's ledger (None: no account), for whom a full stage admits first."""
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
         self.clock = clock
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
@@ -123,7 +130,8 @@ class StageServer:
         self._worker: threading.Thread | None = None
         self.runtimes: dict[Span, SpanRuntime] = {}
         self.step_log = step_log or StepLog(clock=clock)
-        self.fault, self.coordinator = fault, coordinator
+        self.fault, self.coordinator, self.credit = fault, coordinator, credit
+        self.waiting = Waiting(clock)
         self.reveals = 0
         self._draining: set[Span] = set()  # spans the plan dropped, kept until their sessions end
         self.add(runtime)
@@ -213,6 +221,8 @@ class StageServer:
             self._cancelled.pop(key, None)
             session.runtime.close(key)
             self.step_log.end(key)
+            log.info("session %s of %s closed: served %d layer-tokens paid by %s", msg.session, peer, session.served,
+                     session.payer)
             return Closed()
         # One lock over check, allocation and insert: concurrent opens must not both pass the budget.
         with self._lock:
@@ -225,19 +235,34 @@ class StageServer:
                 return ErrorReply(error=f"this stage serves {', '.join(map(str, served))}, not layers {msg.span}",
                                   busy=True)
             need = runtime.kv_bytes(msg.max_length)
+            payer = self._payer(peer, msg)
+            rank = admission.tier(self.credit(payer))
             if self.kv_budget_bytes is not None:
                 used = sum(s.kv_bytes for s in self.sessions.values())
                 if used + need > self.kv_budget_bytes:
+                    self.waiting.refused(payer, rank)
                     return ErrorReply(error=f"no memory for a session of {msg.max_length} tokens: it needs {need} "
                                             f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free",
                                       busy=True)
+            if ahead := self.waiting.ahead(payer, rank):
+                return ErrorReply(error=f"room is kept for {ahead} waiting entr{'ies' if ahead > 1 else 'y'} with "
+                                        "more credit", busy=True)
             try:
                 runtime.open(key, msg.max_length)
             except SessionError as e:
                 return ErrorReply(error=str(e))
+            self.waiting.admitted(payer)
             self.sessions[key] = _Session(key, runtime, peer, msg.session, msg.prev, msg.next, self.clock(),
-                                          msg.compress, need)
+                                          msg.compress, need, payer)
         return Opened(span=msg.span)
+
+    def _payer(self, peer: str, msg: Open) -> str:
+        """Whose credit `peer`'s session spends: the payer that signed for it, else the entry itself."""
+        if msg.payer is None or msg.payer == peer:
+            return peer
+        if not verify_bytes(msg.payer, open_body(peer, msg.session), msg.payer_sig):
+            raise ProtocolError("the session's payer did not sign for it")
+        return msg.payer
 
     def _expire_idle(self) -> None:
         cutoff = self.clock() - self.idle_timeout_s
@@ -371,6 +396,7 @@ class StageServer:
         commit = commitments.sign(self.node.identity.key_pair, session.entry, session.session, Commit(
             stage=self.node.peer_id, step=msg.step, span=session.runtime.span, context=item.context,
             input=item.input, output=commitments.digest(out), sig=b""))
+        session.served += len(session.runtime.span) * step.hidden.shape[-2]
         self.step_log.record(session.key, LoggedStep(msg.step, msg.start, msg.mask, msg.keep,
                                                      step.hidden.detach().to("cpu"), out))
         return commit

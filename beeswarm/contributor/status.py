@@ -83,6 +83,9 @@ class ServingFigures:
     reveals: int = 0  # audits of this stage it answered
     kept_bytes: int = 0  # steps kept for audits' reveals
     excluded: str = ""  # why the coordinator keeps this node out of plans (evidence against it), if it does
+    credit: int | None = None  # its balance in the swarm's ledger, layer-tokens (None: no account yet)
+    receipts: int = 0  # receipts entries gave it
+    receipts_waiting: int = 0  # of them, not handed in to a coordinator yet
 
     @property
     def compression_ratio(self) -> float:

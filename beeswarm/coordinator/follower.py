@@ -6,6 +6,9 @@ verifies each signed plan and follows it only when its author holds the lease fo
 than the plan held, and tells its listeners. It tells membership whom to beat to (the lease's leader)
 and which members to stay linked to (the stages of the plans held).
 
+It also holds the newest credit ledger its coordinators signed (`take_ledger`): the next coordinator
+continues from it, and stages rank whom to admit first by it.
+
 Gossip may drop a plan (a loaded mesh drops messages outside a node's mesh links), so a follower whose
 lease beats show a newer epoch than it holds for two beats in a row asks the coordinator for the plan
 directly (`ids.PLAN`).
@@ -23,7 +26,7 @@ from collections.abc import Callable
 
 import trio
 
-from beeswarm.coordinator import plans
+from beeswarm.coordinator import plans, receipts
 from beeswarm.coordinator.election import Election, Lease
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.membership import Membership
@@ -31,11 +34,13 @@ from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import Decoder, ProtocolError, RemoteError, encode, ids
 from beeswarm.protocol.coordinator import LeaseBeat, PlanRequest, PlanState, SignedPlan
+from beeswarm.protocol.credits import LEDGER_LIMIT, LedgerState, SignedLedger
 from beeswarm.protocol.membership import NodeInfo, View
 
 log = logging.getLogger(__name__)
 
-_messages: Decoder[LeaseBeat | SignedPlan] = Decoder(LeaseBeat, SignedPlan)
+_messages: Decoder[LeaseBeat | SignedPlan | SignedLedger] = Decoder(LeaseBeat, SignedPlan, SignedLedger,
+                                                                   limit=LEDGER_LIMIT)
 _plan_replies = reply_decoder(SignedPlan)
 
 
@@ -48,6 +53,8 @@ class PlanFollower:
         # eligibility is given at each tick by whoever stands for the lease (a `Coordinator`); nobody else does
         self.election = Election(node.peer_id, interval, False, clock, founder=not node.config.bootstrap)
         self.state = PlanState()
+        self.ledger: SignedLedger | None = None  # the newest credit ledger the coordinators followed published
+        self.ledger_state = LedgerState()
         self.listeners: list[Callable[[PlanState], None]] = []
         self.ignored_plans = 0
         self.pulled_plans = 0
@@ -131,8 +138,10 @@ class PlanFollower:
                 self.election.told()
 
     # plans -------------------------------------------------------------------------------------
-    def on_message(self, author: str, msg: LeaseBeat | SignedPlan) -> None:
-        if isinstance(msg, LeaseBeat):
+    def on_message(self, author: str, msg: LeaseBeat | SignedPlan | SignedLedger) -> None:
+        if isinstance(msg, SignedLedger):
+            self.take_ledger(author, msg)
+        elif isinstance(msg, LeaseBeat):
             was_leader = self.is_leader
             with self._lock:
                 self.election.observe(Lease(msg.term, author, msg.epoch))
@@ -154,6 +163,19 @@ class PlanFollower:
             log.info("ignoring plan %d/%d from %s (following %s)", signed.term, signed.epoch, author, lease)
             return
         self.apply(signed)
+
+    def take_ledger(self, author: str, msg: SignedLedger) -> bool:
+        """Hold `msg` if its author leads the lease followed and it is newer than the ledger held, or comes from
+        a new coordinator (its ledger is the swarm's now, even if it missed its predecessor's last one); the
+        next coordinator continues from here. ProtocolError when it is not its author's."""
+        state = receipts.verify_ledger(msg)
+        if state.coordinator != author:
+            raise ProtocolError(f"a ledger signed by {state.coordinator} was published by {author}")
+        if author != self.leader() or (state.seq <= self.ledger_state.seq and
+                                       state.coordinator == self.ledger_state.coordinator):
+            return False
+        self.ledger, self.ledger_state = msg, state
+        return True
 
     def _newer(self, term: int, epoch: int, coordinator: str) -> bool:
         """Is (term, epoch) of `coordinator`, the leader followed, newer than the plan held? A plan of another

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from beeswarm.protocol.coordinator import Pipeline, PlanState, assignments
+from beeswarm.protocol.credits import Balance, LedgerState
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
 
@@ -32,6 +33,7 @@ class MemberRow:
     coordinator: bool = False
     reach: str = "unknown"  # public (others dial it), private (behind a NAT: through a relay), unknown
     addrs: tuple[str, ...] = ()  # where it is dialled (relayed ones through .../p2p-circuit/...)
+    credit: Balance | None = None  # its account in the swarm's credit ledger (None: none)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ class StatusReport:
                          "spans": [[s.start, s.end] for s in m.spans], "device": m.device,
                          "tokens_per_s": round(m.tokens_per_s, 2), "busy": m.busy,
                          "heartbeat_age_s": round(m.heartbeat_age_s, 2),
-                         "version": m.version, "coordinator": m.coordinator} for m in self.members],
+                         "version": m.version, "coordinator": m.coordinator, "credits": _credit_json(m.credit)}
+                        for m in self.members],
             "num_layers": self.num_layers,
             "coverage": list(self.coverage),
             "spans": [{"start": s.span.start, "end": s.span.end, "replicas": s.replicas, "nodes": list(s.nodes)}
@@ -93,6 +96,13 @@ class StatusReport:
                              for e in self.plan.excluded],
                 "standings": {s.node: s.passed for s in self.plan.standings}},
         }
+
+
+def _credit_json(b: Balance | None) -> dict[str, Any] | None:
+    if b is None:
+        return None
+    return {"balance": b.balance, "earned": b.earned, "spent": b.spent, "forfeited": b.forfeited,
+            "last_hour": {"earned": b.hour[0], "spent": b.hour[1]}, "last_day": {"earned": b.day[0], "spent": b.day[1]}}
 
 
 def _pipeline_json(p: Pipeline) -> dict[str, Any]:
@@ -114,10 +124,11 @@ def _segments(num_layers: int, serving: Mapping[str, tuple[Span, ...]]) -> tuple
 
 
 def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], plan: PlanState | None = None,
-           coordinator: str | None = None, term: int = 0, epoch: int = 0) -> StatusReport:
+           coordinator: str | None = None, term: int = 0, epoch: int = 0,
+           ledger: LedgerState | None = None) -> StatusReport:
     """The report from a membership view, each member's seconds since its last heartbeat, the plan
-    followed (None or an empty `PlanState`: none heard) and the coordinator's lease (`coordinator`,
-    `term`, `epoch`; None: none heard, the plan's author then stands in).
+    followed (None or an empty `PlanState`: none heard), the coordinator's lease (`coordinator`,
+    `term`, `epoch`; None: none heard, the plan's author then stands in) and the credit ledger followed.
 
     Coverage counts what members announce serving (contributors not leaving or paused), not what the
     plan assigns: a planned node that has not loaded its span yet leaves a gap."""
@@ -130,12 +141,13 @@ def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], pl
     planned = list(assignments(plan.active).values()) + list(assignments(plan.target).values()) if plan else []
     announced = [s for spans in serving.values() for s in spans]
     num_layers = max((s.end for s in planned or announced), default=0)
+    credits = {b.node: b for b in ledger.balances} if ledger else {}
     members = tuple(MemberRow(peer=peer, role=info.role, state=info.state,
                               spans=info.spans or ((info.layers,) if info.layers else ()), device=info.device,
                               tokens_per_s=info.load, busy=info.busy,
                               heartbeat_age_s=max(0.0, heartbeat_ages.get(peer, 0.0)),
                               version=info.version, coordinator=peer == coordinator, reach=info.reach,
-                              addrs=info.addrs)
+                              addrs=info.addrs, credit=credits.get(peer))
                     for peer, info in sorted(view.items(), key=lambda kv: _order(kv[1])))
     return StatusReport(members, num_layers, _segments(num_layers, serving), coordinator, term, epoch, plan)
 

@@ -11,6 +11,8 @@ MEMBERS = "/beeswarm/members/1"  # request: a member's beat to the coordinator, 
 AUDIT = "/beeswarm/audit/1"  # request: a stage reveals what it computed for one of the asker's sessions
 EVIDENCE = "/beeswarm/evidence/1"  # request: an entry hands the coordinator evidence against a stage
 PASSED = "/beeswarm/passed/1"  # request: an entry tells the coordinator a stage passed its audit of a session
+RECEIPT = "/beeswarm/receipt/1"  # request: an entry hands a stage its signed receipt for a session
+CREDITS = "/beeswarm/credits/1"  # request: stages hand receipts to the coordinator; anyone asks for the ledger
 DIALBACK = "/beeswarm/dialback/1"  # request: dial the asker back on its ports, say where it came from
 
 MEMBERS_TOPIC = "members"  # heartbeats carrying NodeInfo

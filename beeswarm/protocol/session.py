@@ -19,6 +19,15 @@ class Open(Message, frozen=True, tag="open"):
     span: Span  # the layers the entry routed this session to
     next: PeerId | None = None  # None: results go back to the entry
     compress: bool = True  # False: raw frames (for comparisons)
+    # whose credit the session spends (None: the entry's own), and its signature of `open_body`: a full stage
+    # admits entries whose payer holds credit first (`contributor.admission`)
+    payer: PeerId | None = None
+    payer_sig: Annotated[bytes, msgspec.Meta(max_length=128)] = b""
+
+
+def open_body(entry: str, session: str) -> bytes:
+    """The bytes a payer signs to vouch for a session of `entry`."""
+    return msgspec.msgpack.encode(("beeswarm/open/1", entry, session))
 
 
 class Opened(Message, frozen=True, tag="opened"):

@@ -24,4 +24,7 @@ class ServingPanel(Vertical):
             f"out  {size(f.raw_out)} raw, {size(f.wire_out)} wire\n"
             f"compression {f.compression_ratio:.2f}x\n"
             f"audits: {f.reveals} answered, {size(f.kept_bytes)} kept"
+            + (f"\ncredit {f.credit or 0:,} layer-tokens   receipts {f.receipts}"
+               + (f" ({f.receipts_waiting} to hand in)" if f.receipts_waiting else "")
+               if f.credit is not None or f.receipts else "")
             + (f"\n[red]excluded from plans: {escape(f.excluded)}[/]" if f.excluded else ""))

@@ -1,0 +1,184 @@
+"""Credits: receipts signed by real Ed25519 identities, the coordinator's ledger of them, and what an entry's
+receipts count and a full stage admits first, on real nodes."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from beeswarm.client.receipts import ReceiptBook
+from beeswarm.client.remote import Inbox, RemotePipeline, StageBusy, StageFailed
+from beeswarm.contributor.stage import StageServer
+from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE, MAX_AGE_S, CreditLedger, rank
+from beeswarm.coordinator.receipts import receipt_verifies, sign_ledger, sign_receipt, verify_ledger
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import SamplingParams
+from beeswarm.p2p import identity
+from beeswarm.protocol import ProtocolError
+from beeswarm.protocol.coordinator import Stage
+from beeswarm.protocol.credits import MAX_RECENT, Receipt, swarm_id
+from beeswarm.shard import EntryModel, Span, SpanRuntime
+
+SWARM = swarm_id("beeswarm", "tinycode")
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture(scope="module")
+def peers():
+    return [identity.ephemeral() for _ in range(4)]
+
+
+def receipt(entry, stage, session="s1", prefill=100, decode=40, issued=NOW, swarm=SWARM) -> Receipt:
+    """`entry`'s receipt, paid by itself."""
+    return sign_receipt(entry.key_pair, Receipt(swarm, entry.peer_id, entry.peer_id, stage.peer_id, session, prefill,
+                                                decode, issued))
+
+
+def record(ledger: CreditLedger, r: Receipt, now: float = NOW, capacity: float | None = None) -> str | None:
+    return ledger.record(r, receipt_verifies(r), now, capacity)
+
+
+def test_a_receipt_moves_its_units_from_the_entry_to_the_stage_once(peers):
+    entry, stage = peers[0], peers[1]
+    ledger = CreditLedger(SWARM)
+    r = receipt(entry, stage)
+    assert record(ledger, r) is None
+    assert ledger.balance(stage.peer_id) == 140 and ledger.balance(entry.peer_id) == -140
+    assert ledger.can_spend(entry.peer_id) == FREE_ALLOWANCE - 140
+    assert record(ledger, r) == "already counted (a replay)"
+    assert ledger.balance(stage.peer_id) == 140 and ledger.seq == 1
+
+
+def test_forged_foreign_stale_and_self_paid_receipts_are_refused_saying_why(peers):
+    entry, stage, thief = peers[0], peers[1], peers[2]
+    ledger = CreditLedger(SWARM)
+    honest = receipt(entry, stage)
+    inflated = msgspec.structs.replace(honest, decode=10**9)  # the stage rewrites the units it was given
+    stolen = msgspec.structs.replace(honest, stage=thief.peer_id)  # another peer claims the stage's receipt
+    signed_by_thief = sign_receipt(thief.key_pair, msgspec.structs.replace(honest, sig=b""))  # not the entry's key
+    assert record(ledger, inflated).startswith("forged")
+    assert record(ledger, stolen).startswith("forged")
+    assert record(ledger, signed_by_thief).startswith("forged")
+    assert record(ledger, receipt(entry, stage, swarm=swarm_id("beeswarm", "other-model"))).startswith(
+        "a receipt for another swarm")
+    assert record(ledger, receipt(entry, stage, issued=NOW - MAX_AGE_S - 1)).startswith("too old")
+    assert record(ledger, receipt(entry, stage, issued=NOW + 3600)) == "issued in the future"
+    assert record(ledger, receipt(entry, entry)) == "an identity cannot pay itself"
+    assert ledger.accounts == {} and ledger.seq == 0
+
+
+def test_a_stage_caught_lying_forfeits_its_balance_and_later_receipts(peers):
+    entry, liar = peers[0], peers[1]
+    ledger = CreditLedger(SWARM)
+    assert record(ledger, receipt(entry, liar, "a")) is None
+    assert ledger.forfeit(liar.peer_id) and not ledger.forfeit(liar.peer_id)
+    assert ledger.balance(liar.peer_id) == 0
+    assert record(ledger, receipt(entry, liar, "b")).startswith("the stage was caught lying")
+    assert ledger.balance(entry.peer_id) == -140  # what the entry spent stays spent
+
+
+def test_a_stage_is_not_credited_past_what_it_can_have_served(peers):
+    owner_entry, owner_stage = peers[2], peers[3]
+    ledger = CreditLedger(SWARM)
+    capacity = 100.0  # layer-tokens per second
+    assert record(ledger, receipt(owner_entry, owner_stage, "real", 30_000, 0), capacity=capacity) is None
+    why = record(ledger, receipt(owner_entry, owner_stage, "fake", 40_000, 0), capacity=capacity)
+    assert why is not None and why.startswith("more work than the stage can have served")
+    later = NOW + 700  # the window has passed: the stage can have served that much since
+    assert record(ledger, receipt(owner_entry, owner_stage, "next", 40_000, 0, issued=later), later, capacity) is None
+
+
+def test_the_ledger_forgets_old_receipts_but_refuses_their_replays(peers):
+    entry, stage = peers[0], peers[1]
+    ledger = CreditLedger(SWARM)
+    first = receipt(entry, stage, "first", 1, 0, issued=NOW - 100)
+    assert record(ledger, first) is None
+    for i in range(MAX_RECENT):
+        ledger.record(msgspec.structs.replace(first, session=f"s{i}", issued=NOW - 50), True, NOW)
+    assert first.key not in ledger.recent and ledger.horizon == NOW - 100
+    assert record(ledger, first).startswith("too old")
+
+
+def test_a_signed_ledger_verifies_and_a_successor_continues_it_without_losing_or_doubling(peers):
+    coordinator, successor, entry, stage = peers
+    old = CreditLedger(SWARM)
+    counted = receipt(entry, stage, "x")
+    assert record(old, counted) is None
+    signed = sign_ledger(coordinator.key_pair, old.state(coordinator.peer_id, NOW))
+    state = verify_ledger(signed)
+    assert {b.node: b.balance for b in state.balances} == {entry.peer_id: -140, stage.peer_id: 140}
+    assert {b.node: (b.hour, b.day) for b in state.balances} == {entry.peer_id: ((0, 140), (0, 140)),
+                                                                 stage.peer_id: ((140, 0), (140, 0))}
+    assert rank(state, stage.peer_id) == 1 and rank(state, entry.peer_id) == 2
+
+    new = CreditLedger(SWARM)
+    assert new.continue_from(state, NOW) and not new.continue_from(state, NOW)  # not newer: nothing taken twice
+    assert record(new, counted) == "already counted (a replay)"  # handed in again after the coordinator died
+    assert record(new, receipt(entry, stage, "y")) is None
+    assert new.balance(stage.peer_id) == 280 and new.seq == 2
+    later = new.state(successor.peer_id, NOW + 2 * 3600)  # an hour's figures age out of it, the day's stay
+    assert {b.node: (b.hour, b.day) for b in later.balances}[stage.peer_id] == ((0, 0), (280, 0))
+
+    tampered = msgspec.structs.replace(signed, body=signed.body[:-1] + bytes([signed.body[-1] ^ 1]))
+    with pytest.raises(ProtocolError):
+        verify_ledger(tampered)
+    assert not CreditLedger(swarm_id("beeswarm", "other")).continue_from(state, NOW)
+
+
+# --- receipts and admission on real nodes (in process) ---------------------------------------------------------
+
+
+def test_an_entrys_receipts_count_each_stages_layers_times_positions_prefill_and_decode_apart(mesh, tiny_llama):
+    stages = mesh(2, members=False)
+    splits = [(0, 3), (3, 8)]
+    servers = [StageServer(node, SpanRuntime(tiny_llama, Span(a, b), dtype="float32", device="cpu")).start()
+               for node, (a, b) in zip(stages, splits)]
+    (entry_node,) = mesh(1, members=False, bootstrap=[])
+    for node in stages:
+        entry_node.connect(node.addrs[0])
+    stages[0].connect(stages[1].addrs[0])
+    book = ReceiptBook(entry_node, SWARM)
+    route = tuple(Stage(node=node.peer_id, span=Span(a, b)) for node, (a, b) in zip(stages, splits))
+    pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), EntryModel(tiny_llama, dtype="float32", device="cpu"),
+                          route, receipts=book)
+    prompt, new = [1, 5, 9, 2, 7], 6
+    session = pipe.open(64)
+    book.begin(session, len(prompt))
+    generate(lambda t, s: pipe.forward(session, t, s, micro_batches=2), prompt, new, SamplingParams(0.0, 1.0))
+    pipe.close_session(session)
+    receipts = {r.stage: r for r in book.settle([session], caught=set())}
+    # the prompt once, then one position per new token but the last (it is never fed back)
+    assert {stage: (r.prefill, r.decode) for stage, r in receipts.items()} == {
+        stages[0].peer_id: (3 * 5, 3 * (new - 1)), stages[1].peer_id: (5 * 5, 5 * (new - 1))}
+    assert all(receipt_verifies(r) and r.entry == r.payer == entry_node.peer_id for r in receipts.values())
+    assert book.settle([session], caught=set()) == []  # receipted once
+    for server in servers:
+        server.stop()
+
+
+def test_a_full_stage_admits_a_credited_payers_session_before_an_uncredited_ones(mesh, tiny_llama, peers):
+    rich = peers[0]
+    (stage_node,) = mesh(1, members=False)
+    runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
+    balances = {rich.peer_id: 50_000}
+    StageServer(stage_node, runtime, kv_budget_bytes=runtime.kv_bytes(50), credit=balances.get).start()
+    entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
+    route = (Stage(node=stage_node.peer_id, span=Span(0, 8)),)
+    pipes = {}
+    for name, payer in (("occupant", None), ("newcomer", None), ("credited", rich.key_pair)):
+        (node,) = mesh(1, members=False, bootstrap=[])
+        node.connect(stage_node.addrs[0])
+        pipes[name] = RemotePipeline(node, Inbox(node).start(), entry, route, receipts=ReceiptBook(node, SWARM, payer))
+    held = pipes["occupant"].open(50)
+    for name in ("newcomer", "credited"):  # both find the stage full and back off
+        with pytest.raises(StageBusy, match="no memory"):
+            pipes[name].open(50)
+    pipes["occupant"].close_session(held)
+    with pytest.raises(StageBusy, match="room is kept for 1 waiting entry with more credit"):
+        pipes["newcomer"].open(50)  # asks first once room frees, but the credited payer is still waiting
+    pipes["credited"].open(50)
+
+    # a session claiming a payer that did not sign for it is refused, not admitted on the payer's credit
+    forger = pipes["newcomer"]
+    forger.receipts.vouch = lambda session: (rich.peer_id, b"\0" * 64)
+    with pytest.raises(StageFailed, match="payer did not sign"):
+        forger.open(10)

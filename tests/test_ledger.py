@@ -1,0 +1,162 @@
+"""Credits across real processes: four contributors earn what two payers' entries spend, by the swarm's signed
+ledger, which a new coordinator continues when the old one is killed -9.
+
+The independent tally is the stages' own logs: each logs, when a session ends, the layer-tokens it computed
+for it and whose credit it spends (the entries decode without a draft, so every step a stage computes
+comes back to its entry and is receipted).
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from beeswarm.client.status import SwarmObserver
+from beeswarm.contributor.local import budgets
+from beeswarm.coordinator.credit_ledger import rank
+from beeswarm.coordinator.receipts import sign_receipt
+from beeswarm.p2p import identity
+from beeswarm.p2p.requests import reply_decoder
+from beeswarm.protocol import ids
+from beeswarm.protocol.credits import HandIn, Receipt, Recorded, swarm_id
+from helpers import serve, start_contributors, wait_for
+
+pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
+
+SESSION_LOG = re.compile(r"session \w+ of \S+ closed: served (\d+) layer-tokens paid by (\S+)")
+
+
+class Swarm:
+    def __init__(self, model, boot, stages, logs, entries, payers, observer):
+        self.model, self.boot, self.stages, self.logs = model, boot, stages, logs
+        self.entries, self.payers, self.observer = entries, payers, observer
+
+    def generate(self, url: str, prompt: str) -> None:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
+                "temperature": 0}
+        deadline = time.monotonic() + 60
+        while True:  # a 503 while the swarm re-plans around a killed member: asked again
+            reply = httpx.post(url + "/chat/completions", json=body, timeout=60)
+            if reply.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert reply.status_code == 200, reply.text
+
+    def tally(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(stage -> layer-tokens served, payer -> layer-tokens spent) from the stages' own logs."""
+        earned, spent = collections.Counter(), collections.Counter()
+        for stage, log in self.logs.items():
+            for served, payer in SESSION_LOG.findall(log.read_text()):
+                earned[stage] += int(served)
+                spent[payer] += int(served)
+        return dict(earned), dict(spent)
+
+    def balances_match_the_tally(self) -> bool:
+        ledger = self.observer.ledger(timeout=5)
+        earned, spent = self.tally()
+        accounts = {b.node: (b.earned, b.spent) for b in ledger.balances}
+        return bool(earned) and all(accounts.get(s, (0, 0))[0] == n for s, n in earned.items()) and \
+            all(accounts.get(p, (0, 0))[1] == n for p, n in spent.items())
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_models, tmp_path_factory):
+    model = str(tiny_models["llama"])
+    tmp = tmp_path_factory.mktemp("ledger")
+    (tmp / "logs").mkdir()
+    env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("BEESWARM_IDENTITY", None)
+    procs, observer = [], None
+    try:  # half the model each: every span has a replica, so a killed coordinator leaves no gap
+        stages, boot = start_contributors(procs, model, 4, budgets(model, 2)[0], env, tmp, logs=tmp / "logs")
+        logs = {peer: tmp / "logs" / f"node{i}.log" for i, peer in enumerate(stages)}
+        payers = [identity.ephemeral() for _ in range(2)]
+        entries = []
+        for i, payer in enumerate(payers):  # each entry spends its payer's credit (`--identity machine`)
+            key = base64.b64encode(payer.key_pair.private_key.to_bytes()).decode()
+            with open(tmp / f"serve{i}.log", "w") as log:
+                proc, url = serve(model, boot, {**env, "BEESWARM_IDENTITY": key}, log, "--identity", "machine",
+                                  "--no-spec")
+            procs.append(proc)
+            entries.append(url)
+        for url in entries:
+            wait_for(lambda: httpx.get(url.removesuffix("/v1") + "/health").status_code == 200, 90, "a route")
+        observer = SwarmObserver.create([boot], interval=1.0).start()
+        observer.wait(10)
+        yield Swarm(model, boot, stages, logs, entries, payers, observer)
+    finally:
+        if observer is not None:
+            observer.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_every_balance_is_what_the_stages_logged_serving_each_payer(swarm):
+    for i in range(3):
+        for url in swarm.entries:
+            swarm.generate(url, f"def f{i}(x):")
+    wait_for(swarm.balances_match_the_tally, 30, "the ledger's balances to equal the stages' own tally")
+    earned, spent = swarm.tally()
+    assert set(spent) == {p.peer_id for p in swarm.payers}  # each entry spent its payer's credit
+    assert sum(earned.values()) == sum(spent.values()) > 0
+    ledger = swarm.observer.ledger(timeout=5)
+    assert ledger.coordinator in swarm.stages and ledger.seq >= len(swarm.stages)
+
+    payer = swarm.payers[0].peer_id  # `beeswarm credits` reads the same from the swarm
+    out = subprocess.run([sys.executable, "-m", "beeswarm", "credits", "--join", swarm.boot, "--peer", payer, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    shown = json.loads(out.stdout)
+    assert shown["spent"] == spent[payer] and shown["earned"] == 0 and shown["balance"] == -spent[payer], out.stderr
+    assert shown["last_hour"]["spent"] == spent[payer] and shown["rank"] == rank(ledger, payer)
+
+
+def test_a_coordinator_killed_between_generations_loses_and_doubles_nothing(swarm):
+    wait_for(swarm.balances_match_the_tally, 30, "the ledger to hold every receipt so far")
+    before = swarm.observer.ledger(timeout=5)
+    swarm.stages[before.coordinator].kill()  # -9: its ledger lives on in its followers
+    for i in range(2):
+        for url in swarm.entries:
+            swarm.generate(url, f"def g{i}(y):")
+    wait_for(lambda: swarm.observer.ledger(timeout=5).coordinator not in ("", before.coordinator)
+             and swarm.balances_match_the_tally(), 60, "a new coordinator's ledger to equal the tally")
+    after = swarm.observer.ledger(timeout=5)
+    assert after.seq > before.seq  # continued, not restarted
+    killed = next(b for b in after.balances if b.node == before.coordinator)
+    assert killed.earned == next(b for b in before.balances if b.node == before.coordinator).earned
+
+
+def test_forged_replayed_and_foreign_receipts_are_refused_and_the_ledger_says_why(swarm):
+    """The test's own node hands in receipts as the stage they name (a payer of its own signs them)."""
+    observer, payer = swarm.observer, identity.ephemeral()
+    me = observer.node.peer_id
+    ours = swarm_id("beeswarm", swarm.model)
+
+    def receipt(session: str, swarm_name: str = ours) -> Receipt:
+        return sign_receipt(payer.key_pair, Receipt(swarm_name, payer.peer_id, payer.peer_id, me, session, 30, 10,
+                                                    time.time()))
+
+    honest = receipt("honest")
+    forged = msgspec.structs.replace(receipt("forged"), prefill=10**6)
+    foreign = receipt("foreign", swarm_id("beeswarm", "another-model"))
+    coordinator = observer.coordinator.leader()
+    reply = observer.node.request(coordinator, ids.CREDITS, HandIn(receipts=(honest, honest, forged, foreign)),
+                                  reply_decoder(Recorded), timeout=10)
+    assert reply.refused[0] == ""
+    assert reply.refused[1] == "already counted (a replay)"
+    assert reply.refused[2].startswith("forged")
+    assert reply.refused[3].startswith("a receipt for another swarm")
+    again = observer.node.request(coordinator, ids.CREDITS, HandIn(receipts=(honest,)), reply_decoder(Recorded),
+                                  timeout=10)
+    assert again.refused == ("already counted (a replay)",)
+    wait_for(lambda: {b.node: b.balance for b in observer.ledger(timeout=5).balances}.get(me) == 40, 15,
+             "the one honest receipt in the ledger, once")
