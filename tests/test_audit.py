@@ -280,7 +280,7 @@ def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_sta
     """Three contributor processes (new keys all), one returning noise on half its steps, and a spare that joins
     once they serve. A chat at the default audit rate (probation audits a newcomer's sessions whole) gets
     transformers' greedy tokens, reports the failed audit, and the coordinator's plan excludes the cheat with
-    the reason, and counts the honest stages' passed audits."""
+    the reason, counts the honest stages' passed audits and credits their work, and the cheat forfeits."""
     model = str(tiny_models["llama"])
     env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("BEESWARM_IDENTITY", None)
@@ -316,6 +316,14 @@ def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_sta
             return known if known.keys() >= honest else None
 
         assert cheat not in wait_for(standings, 60, "the honest stages' passed audits in the plan")
+
+        def credits() -> dict | None:  # the cheat forfeits; the stages that served the reply hold its receipts
+            shown = {m["peer"]: m["credits"] or {} for m in status(boot, env)["members"]}
+            paid = all(shown.get(peer, {}).get("earned", 0) > 0 for peer in honest)
+            return shown if shown.get(cheat, {}).get("forfeited") and paid else None
+
+        assert wait_for(credits, 60, "the cheat's credit forfeited and the honest stages' receipts")[cheat] \
+            ["balance"] == 0
     finally:
         for p in procs:
             p.kill()

@@ -7,6 +7,7 @@ import pytest
 
 from beeswarm.client.receipts import ReceiptBook
 from beeswarm.client.remote import Inbox, RemotePipeline, StageBusy, StageFailed
+from beeswarm.contributor import admission
 from beeswarm.contributor.stage import StageServer
 from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE, MAX_AGE_S, CreditLedger, rank
 from beeswarm.coordinator.receipts import receipt_verifies, sign_ledger, sign_receipt, verify_ledger
@@ -33,7 +34,7 @@ def receipt(entry, stage, session="s1", prefill=100, decode=40, issued=NOW, swar
                                                 decode, issued))
 
 
-def record(ledger: CreditLedger, r: Receipt, now: float = NOW, capacity: float | None = None) -> str | None:
+def record(ledger: CreditLedger, r: Receipt, now: float = NOW, capacity: float | None = 1e9) -> str | None:
     return ledger.record(r, receipt_verifies(r), now, capacity)
 
 
@@ -63,6 +64,8 @@ def test_forged_foreign_stale_and_self_paid_receipts_are_refused_saying_why(peer
     assert record(ledger, receipt(entry, stage, issued=NOW - MAX_AGE_S - 1)).startswith("too old")
     assert record(ledger, receipt(entry, stage, issued=NOW + 3600)) == "issued in the future"
     assert record(ledger, receipt(entry, entry)) == "an identity cannot pay itself"
+    assert record(ledger, receipt(entry, stage, issued=float("nan"))).startswith("too old")
+    assert record(ledger, receipt(entry, stage), capacity=None).startswith("the stage's capacity is unknown")
     assert ledger.accounts == {} and ledger.seq == 0
 
 
@@ -76,15 +79,23 @@ def test_a_stage_caught_lying_forfeits_its_balance_and_later_receipts(peers):
     assert ledger.balance(entry.peer_id) == -140  # what the entry spent stays spent
 
 
-def test_a_stage_is_not_credited_past_what_it_can_have_served(peers):
-    owner_entry, owner_stage = peers[2], peers[3]
+def test_self_dealing_earns_nothing_net_and_fresh_payers_no_more_than_the_stages_capacity(peers):
+    """An owner's own entry paying its own stage moves credit between its two accounts; fresh payer keys
+    (each with a free allowance) paying its stage for work never done earn it no more than its hardware
+    could have served meanwhile, whatever real work shares that capacity."""
+    owner_entry, owner_stage, customer = peers[2], peers[3], peers[0]
     ledger = CreditLedger(SWARM)
-    capacity = 100.0  # layer-tokens per second
-    assert record(ledger, receipt(owner_entry, owner_stage, "real", 30_000, 0), capacity=capacity) is None
-    why = record(ledger, receipt(owner_entry, owner_stage, "fake", 40_000, 0), capacity=capacity)
-    assert why is not None and why.startswith("more work than the stage can have served")
+    capacity = 100.0  # layer-tokens per second: 60,000 per 10-minute window
+    assert record(ledger, receipt(owner_entry, owner_stage, "own", 30_000, 0), capacity=capacity) is None
+    assert ledger.balance(owner_stage.peer_id) + ledger.balance(owner_entry.peer_id) == 0  # nothing made
+    assert record(ledger, receipt(customer, owner_stage, "real", 20_000, 0), capacity=capacity) is None
+    sybils = [identity.ephemeral() for _ in range(5)]
+    refused = [record(ledger, receipt(s, owner_stage, "fake", 5_000, 0), capacity=capacity) for s in sybils]
+    assert refused[:2] == [None, None]  # up to the capacity: indistinguishable from work it could have done
+    assert all(why.startswith("more work than the stage can have served") for why in refused[2:])
+    assert ledger.accounts[owner_stage.peer_id].earned == 60_000  # = capacity x window, real and fake together
     later = NOW + 700  # the window has passed: the stage can have served that much since
-    assert record(ledger, receipt(owner_entry, owner_stage, "next", 40_000, 0, issued=later), later, capacity) is None
+    assert record(ledger, receipt(sybils[4], owner_stage, "next", 5_000, 0, issued=later), later, capacity) is None
 
 
 def test_the_ledger_forgets_old_receipts_but_refuses_their_replays(peers):
@@ -92,10 +103,22 @@ def test_the_ledger_forgets_old_receipts_but_refuses_their_replays(peers):
     ledger = CreditLedger(SWARM)
     first = receipt(entry, stage, "first", 1, 0, issued=NOW - 100)
     assert record(ledger, first) is None
-    for i in range(MAX_RECENT):
-        ledger.record(msgspec.structs.replace(first, session=f"s{i}", issued=NOW - 50), True, NOW)
+    for i in range(MAX_RECENT):  # from many stages: one stage is credited for so many sessions in a window only
+        ledger.record(msgspec.structs.replace(first, stage=f"stage{i % 8}", session=f"s{i}", issued=NOW - 50), True,
+                      NOW, 1e9)
     assert first.key not in ledger.recent and ledger.horizon == NOW - 100
     assert record(ledger, first).startswith("too old")
+    # the earliest issued are forgotten first: receipts dated late, recorded early, never push the horizon past
+    # receipts still on their way (forgetting in arrival order would have set it to NOW + 20)
+    flooded = CreditLedger(SWARM)
+    for i in range(MAX_RECENT // 2):
+        flooded.record(msgspec.structs.replace(first, stage=f"late{i % 4}", session=f"late{i}", issued=NOW + 20),
+                       True, NOW, 1e9)
+    for i in range(MAX_RECENT):
+        flooded.record(msgspec.structs.replace(first, stage=f"stage{i % 8}", session=f"s{i}", issued=NOW - 50), True,
+                       NOW, 1e9)
+    assert flooded.horizon == NOW - 50
+    assert record(flooded, receipt(entry, stage, "on its way", issued=NOW - 10)) is None
 
 
 def test_a_signed_ledger_verifies_and_a_successor_continues_it_without_losing_or_doubling(peers):
@@ -182,3 +205,17 @@ def test_a_full_stage_admits_a_credited_payers_session_before_an_uncredited_ones
     forger.receipts.vouch = lambda session: (rich.peer_id, b"\0" * 64)
     with pytest.raises(StageFailed, match="payer did not sign"):
         forger.open(10)
+
+
+def test_whom_a_full_stage_keeps_room_for_is_forgotten_once_it_stops_asking():
+    now = [0.0]
+    waiting = admission.Waiting(clock=lambda: now[0])
+    assert [admission.tier(b) for b in (5, None, 0, -FREE_ALLOWANCE, -FREE_ALLOWANCE - 1)] == [2, 1, 1, 1, 0]
+    waiting.refused("rich", admission.tier(5))
+    assert waiting.ahead("newcomer", admission.tier(None)) == 1 and waiting.ahead("rich", 2) == 0
+    now[0] += admission.WAIT_MEMORY_S + 0.1  # it gave up (or was served elsewhere): room is nobody's again
+    assert waiting.ahead("newcomer", admission.tier(None)) == 0
+    for i in range(admission.MAX_WAITING + 10):  # a crowd of newcomers is remembered within bounds
+        waiting.refused(f"peer{i}", 1)
+    waiting.refused("rich", 2)
+    assert waiting.ahead("newcomer", 1) == 1 and len(waiting._refused) <= admission.MAX_WAITING

@@ -89,7 +89,7 @@ class ReceiptBook:
                                        w.decode, self.clock())
                     receipts.append(sign_receipt(self.payer, unsigned))
             self.given = (self.given + receipts)[-256:]
-            self._in_flight += len(receipts)
+            self._in_flight += len(receipts)  # counted before they start: a client closing at once waits for them
         for r in receipts:
             self.node.spawn(self._give, r)
         return receipts

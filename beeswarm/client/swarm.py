@@ -247,9 +247,14 @@ class SwarmClient:
         """The audits the swarm knows `stage` passed (the plan's standings)."""
         return next((s.passed for s in self.coordinator.state.standings if s.node == stage), 0)
 
+    def _caught_now(self) -> set[str]:
+        with self._lock:
+            return set(self.caught)
+
     def _caught(self, peer: str, why: str) -> None:
         """A stage failed or refused an audit: ban it, and fail the steps waiting on it now."""
-        self.caught[peer] = why
+        with self._lock:
+            self.caught[peer] = why
         self.node.bans.strike(peer, why, severe=True)
         with self._lock:
             pipes = list(self._pipes.values())
@@ -383,13 +388,15 @@ class SwarmClient:
         try:
             progress = Progress.start(request)
             try:
-                return self._generate(progress)
+                result = self._generate(progress)
             except BaseException:
                 if self.auditor:
                     self.auditor.settle(progress.sessions, timeout=0)  # forget them: nobody waits for their verdicts
+                else:  # unaudited, as every generation here: what the stages served is receipted all the same
+                    self.receipts.settle(progress.sessions, self._caught_now())
                 raise
-            finally:  # what the stages served, receipted (to those no audit caught)
-                self.receipts.settle(progress.sessions, set(self.caught))
+            self.receipts.settle(progress.sessions, self._caught_now())  # audits settled: to those none caught
+            return result
         finally:
             if speculate:
                 self._draft_busy.release()

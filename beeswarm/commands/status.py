@@ -43,6 +43,10 @@ def run(args) -> int:
     try:
         observer.start()
         observer.wait(args.wait)
+        try:
+            observer.ledger(timeout=args.wait)  # credits per member: gossip brings the ledger only on change
+        except Unreachable:
+            pass  # none yet: no receipt recorded in this swarm
         while True:
             report = observer.report()
             if args.json:

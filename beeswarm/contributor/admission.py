@@ -14,6 +14,7 @@ from collections.abc import Callable
 from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE
 
 WAIT_MEMORY_S = 4.0  # longer than an entry's longest backoff between two asks (client.swarm.BUSY_BACKOFF_S)
+MAX_WAITING = 1024  # payers remembered (the lowest tiers are forgotten first)
 
 
 def tier(balance: int | None) -> int:
@@ -31,14 +32,20 @@ class Waiting:
 
     def refused(self, payer: str, rank: int) -> None:
         with self._lock:
+            self._prune()
             self._refused[payer] = (rank, self.clock())
+            if len(self._refused) > MAX_WAITING:
+                del self._refused[min(self._refused, key=lambda p: self._refused[p])]
 
     def ahead(self, payer: str, rank: int) -> int:
         """How many payers of a higher tier than `rank` wait for room now."""
-        cutoff = self.clock() - WAIT_MEMORY_S
         with self._lock:
-            self._refused = {p: (t, at) for p, (t, at) in self._refused.items() if at >= cutoff}
+            self._prune()
             return sum(t > rank for p, (t, _) in self._refused.items() if p != payer)
+
+    def _prune(self) -> None:
+        cutoff = self.clock() - WAIT_MEMORY_S
+        self._refused = {p: (t, at) for p, (t, at) in self._refused.items() if at >= cutoff}
 
     def admitted(self, payer: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ as counted, never counted twice.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.receipts import receipt_verifies
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol import Decoder, ErrorReply, ProtocolError, RemoteError, encode, ids
 from beeswarm.protocol.credits import MAX_RECEIPTS, Given, HandIn, Kept, Receipt, Recorded
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 HAND_IN_EVERY_S = 1.0
 RECHECK_S = 120.0
 MAX_PENDING = 4096
+MAX_PENDING_PER_ENTRY = 256  # so one entry's flood cannot push others' receipts out
 _given = Decoder(Given)
 _recorded = reply_decoder(Recorded)
 
@@ -55,22 +57,24 @@ class ReceiptBox:
         self.node.serve(ids.RECEIPT, self._on_receipt, _given)
         self.node.add_task(self._loop)
 
-    def _on_receipt(self, peer: str, msg: Given) -> Kept:
+    def _on_receipt(self, peer: str, msg: Given) -> Kept | ErrorReply:
         r = msg.receipt
         if r.entry != peer or r.stage != self.node.peer_id:
             raise ProtocolError("a receipt is given by its entry to its stage")
         if r.swarm != self.swarm:
             raise ProtocolError(f"a receipt for another swarm ({r.swarm!r})")
-        if not receipt_verifies(r):
+        if not math.isfinite(r.issued) or not receipt_verifies(r):
             raise ProtocolError("a receipt whose signature does not verify")
-        log.info("receipt from %s for session %s: %d prefill + %d decode layer-tokens", r.entry, r.session, r.prefill,
-                 r.decode)
         with self._lock:
+            if any(p.key == r.key for p in self._pending):
+                return Kept()  # given twice
+            if sum(p.entry == peer for p in self._pending) >= MAX_PENDING_PER_ENTRY or \
+                    len(self._pending) >= MAX_PENDING:
+                return ErrorReply(error="too many receipts wait for a coordinator here: try later", busy=True)
             self.counts.taken += 1
             self._pending.append(r)
-            if len(self._pending) > MAX_PENDING:
-                dropped = self._pending.popleft()
-                log.warning("too many receipts waiting for a coordinator: dropped session %s's", dropped.session)
+        log.info("receipt from %s for session %s: %d prefill + %d decode layer-tokens", r.entry, r.session, r.prefill,
+                 r.decode)
         return Kept()
 
     @property
@@ -119,7 +123,9 @@ class ReceiptBox:
             for r, why in zip(batch, reply.refused, strict=True):
                 if not why:
                     self.counts.recorded += 1
-                elif not why.startswith("already counted"):
+                elif why.startswith("already counted"):
+                    log.info("%s already counted the receipt for session %s (handed in again)", leader, r.session)
+                else:
                     self.counts.refused += 1
                     self.counts.last_refusal = why
                     log.warning("the coordinator refused the receipt for session %s: %s", r.session, why)

@@ -34,7 +34,6 @@ from beeswarm.audit.evidence import reveal
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.contributor import admission
-from beeswarm.contributor.admission import Waiting
 from beeswarm.p2p.channel import Channel, ChannelPool
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
@@ -131,7 +130,7 @@ class StageServer:
         self.runtimes: dict[Span, SpanRuntime] = {}
         self.step_log = step_log or StepLog(clock=clock)
         self.fault, self.coordinator, self.credit = fault, coordinator, credit
-        self.waiting = Waiting(clock)
+        self.waiting = admission.Waiting(clock)
         self.reveals = 0
         self._draining: set[Span] = set()  # spans the plan dropped, kept until their sessions end
         self.add(runtime)
@@ -240,7 +239,8 @@ class StageServer:
             if self.kv_budget_bytes is not None:
                 used = sum(s.kv_bytes for s in self.sessions.values())
                 if used + need > self.kv_budget_bytes:
-                    self.waiting.refused(payer, rank)
+                    if need <= self.kv_budget_bytes:  # one that can never fit waits for nothing
+                        self.waiting.refused(payer, rank)
                     return ErrorReply(error=f"no memory for a session of {msg.max_length} tokens: it needs {need} "
                                             f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free",
                                       busy=True)

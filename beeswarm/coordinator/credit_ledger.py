@@ -3,24 +3,30 @@
 Serving earns what a receipt says the entry accepted (layer-tokens); generating spends the same units,
 from the entry's balance and then from a free allowance (FREE_ALLOWANCE), so a newcomer can try the swarm.
 A receipt counts once: the ledger remembers recent ones (`recent`) and refuses any issued at or before its
-`horizon` (the issue time of the oldest it forgot), so the memory stays bounded and a replay never counts.
+`horizon` (the latest issue time it forgot; it forgets the earliest issued first), so the memory stays
+bounded and a replay never counts.
 A stage caught lying forfeits its balance and every receipt after. A stage is never credited faster than
 its capacity (`capacity`: layer-tokens per second it could have served): receipts for work it could not
-have done are refused, so self-dealing earns no more than the compute a stage can really spend.
+have done are refused, as are those of a stage whose capacity is unknown (not a benchmarked contributor), so
+self-dealing earns no more than the compute a stage can really spend.
 
 Pure: signatures are checked by the caller (`verified`), the clock is passed in.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from beeswarm.protocol.credits import MAX_BALANCES, MAX_RECENT, Balance, LedgerState, Receipt, Seen
 
 FREE_ALLOWANCE = 2_000_000  # layer-tokens an identity may spend before it earns (~25k tokens of an 80-layer model)
 MAX_AGE_S = 6 * 3600.0  # receipts issued longer ago are refused (a stage hands its in within seconds)
-MAX_SKEW_S = 300.0  # receipts issued further in the future (by the entry's clock) are refused
+MAX_SKEW_S = 30.0  # receipts issued further in the future (by the entry's clock) are refused
 CAPACITY_WINDOW_S = 600.0  # a stage's credit is checked against its capacity over this window
+RECEIPTS_PER_WINDOW = MAX_RECENT // 4  # receipts one stage may be credited for in the window (sessions served):
+# the ledger remembers MAX_RECENT, so no one stage's flood forgets the others' receipts still on their way
 
 
 @dataclass
@@ -58,10 +64,12 @@ class Account:
 @dataclass
 class CreditLedger:
     swarm: str
+    term: int = 0  # the lease term of the ledger this one continues (it and `seq` order ledgers)
     seq: int = 0
     horizon: float = 0.0
     accounts: dict[str, Account] = field(default_factory=dict)
-    recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)  # receipt key -> issued
+    recent: dict[bytes, float] = field(default_factory=dict)  # receipt key -> issued
+    _by_issue: list[tuple[float, bytes]] = field(default_factory=list)  # a heap over `recent`: the earliest first
 
     def balance(self, node: str) -> int:
         account = self.accounts.get(node)
@@ -72,8 +80,8 @@ class CreditLedger:
         return self.balance(node) + FREE_ALLOWANCE
 
     def refusal(self, r: Receipt, verified: bool, now: float, capacity: float | None) -> str | None:
-        """Why `r` cannot be counted (None: it can). `verified`: the entry's signature checks; `capacity`: the
-        stage's layer-tokens per second at most (None: unknown, not checked)."""
+        """Why `r` cannot be counted (None: it can). `verified`: the payer's signature checks; `capacity`: the
+        stage's layer-tokens per second at most (None: unknown)."""
         if r.swarm != self.swarm:
             return f"a receipt for another swarm ({r.swarm!r}; this is {self.swarm!r})"
         if not verified:
@@ -82,20 +90,23 @@ class CreditLedger:
             return "an identity cannot pay itself"
         if r.key in self.recent:
             return "already counted (a replay)"
-        if r.issued <= self.horizon or r.issued < now - MAX_AGE_S:
+        if not math.isfinite(r.issued) or r.issued <= self.horizon or r.issued < now - MAX_AGE_S:
             return "too old: issued before what the ledger remembers, it cannot be told from a replay"
         if r.issued > now + MAX_SKEW_S:
             return "issued in the future"
         stage = self.accounts.get(r.stage)
         if stage is not None and stage.forfeited:
             return "the stage was caught lying by an audit: it forfeited its credit"
-        if capacity is not None:
-            done = stage.served_since(now - CAPACITY_WINDOW_S) if stage else 0
-            if done + r.units > capacity * CAPACITY_WINDOW_S:
-                return f"more work than the stage can have served ({capacity:.0f} layer-tokens/s at most)"
+        if capacity is None or not math.isfinite(capacity) or capacity <= 0:
+            return "the stage's capacity is unknown: only a contributor whose heartbeat carries its benchmark earns"
+        done = stage.served_since(now - CAPACITY_WINDOW_S) if stage else 0
+        if stage is not None and len(stage.window) >= RECEIPTS_PER_WINDOW:
+            return f"more sessions than a stage is credited for in {CAPACITY_WINDOW_S / 60:.0f} minutes"
+        if done + r.units > capacity * CAPACITY_WINDOW_S:
+            return f"more work than the stage can have served ({capacity:.0f} layer-tokens/s at most)"
         return None
 
-    def record(self, r: Receipt, verified: bool, now: float, capacity: float | None = None) -> str | None:
+    def record(self, r: Receipt, verified: bool, now: float, capacity: float | None) -> str | None:
         """Count `r` (the stage earns, the payer spends) unless refused; returns the refusal, else None."""
         why = self.refusal(r, verified, now, capacity)
         if why is not None:
@@ -105,9 +116,10 @@ class CreditLedger:
         payer.add(now, 0, r.units)
         stage.served_since(now - CAPACITY_WINDOW_S)  # (drops what fell out of the window: it stays bounded)
         stage.window.append((now, r.units))
-        self.recent[r.key] = r.issued
-        while len(self.recent) > MAX_RECENT:
-            _, issued = self.recent.popitem(last=False)
+        self._remember(r.key, r.issued)
+        while len(self.recent) > MAX_RECENT:  # the earliest issued go: a flood of late-dated ones cannot push
+            issued, key = heapq.heappop(self._by_issue)  # the horizon past receipts still on their way
+            del self.recent[key]
             self.horizon = max(self.horizon, issued)
         self.seq += 1
         self._bound()
@@ -124,23 +136,30 @@ class CreditLedger:
         self.seq += 1
         return True
 
+    def _remember(self, key: bytes, issued: float) -> None:
+        self.recent[key] = issued
+        heapq.heappush(self._by_issue, (issued, key))
+
     def state(self, coordinator: str, now: float) -> LedgerState:
-        return LedgerState(swarm=self.swarm, seq=self.seq, coordinator=coordinator, horizon=self.horizon,
+        return LedgerState(swarm=self.swarm, term=self.term, seq=self.seq, coordinator=coordinator,
+                           horizon=self.horizon,
                            balances=tuple(Balance(n, a.earned, a.spent, a.forfeited, a.last(now, 1), a.last(now, 24))
                                           for n, a in sorted(self.accounts.items())),
                            recent=tuple(Seen(key, issued) for key, issued in self.recent.items()))
 
     def continue_from(self, state: LedgerState, now: float) -> bool:
-        """Take over a ledger published later than this one (a coordinator taking over continues its
-        predecessor's); False when `state` is not newer or is another swarm's. The last hour's and day's
+        """Take over a ledger published later than this one, by (term, seq) (a coordinator taking over continues
+        its predecessor's); False when `state` is not newer or is another swarm's. The last hour's and day's
         figures go on from the published ones (the day's older part counted an hour ago)."""
-        if state.swarm != self.swarm or state.seq <= self.seq:
+        if state.swarm != self.swarm or (state.term, state.seq) <= (self.term, self.seq):
             return False
-        self.seq, self.horizon = state.seq, state.horizon
+        self.term, self.seq, self.horizon = state.term, state.seq, state.horizon
         hour = int(now // 3600)
         self.accounts = {b.node: Account(b.earned, b.spent, b.forfeited, hours={
             hour: list(b.hour), hour - 1: [b.day[0] - b.hour[0], b.day[1] - b.hour[1]]}) for b in state.balances}
-        self.recent = OrderedDict((s.key, s.issued) for s in state.recent)
+        self.recent, self._by_issue = {}, []
+        for seen in state.recent:
+            self._remember(seen.key, seen.issued)
         return True
 
     def _account(self, node: str) -> Account:

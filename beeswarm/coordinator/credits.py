@@ -10,6 +10,7 @@ planner routes by: overstating it buys real load).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 PUBLISH_AFTER_S = 1.0  # a change is published within this
 REPUBLISH_S = 30.0  # and the ledger again when nothing changed (for newcomers, and a successor that missed one)
 CAPACITY_MARGIN = 4.0  # times a stage's benchmarked layer-tokens/s it may be credited for (batching, bursts)
+STEP_TOKENS = 2048  # the longest step the capacity assumes (a long prompt's prefill: the fastest per token)
 _requests: Decoder[HandIn | LedgerRequest] = Decoder(HandIn, LedgerRequest)
 
 
@@ -68,15 +70,25 @@ class CreditKeeper:
         return Recorded(refused=tuple(refused), seq=seq)
 
     def _capacity(self, stage: str) -> float | None:
-        """Layer-tokens per second `stage` can have served, from its benchmark (None: none known)."""
-        info = self.follower.members.view().get(stage)
-        per_token_ms = info.bench.get("layer_ms_per_token") if info else None
-        return CAPACITY_MARGIN * 1000.0 / per_token_ms if per_token_ms else None
+        """Layer-tokens per second `stage` can have served, from the benchmark in its heartbeat: a layer takes
+        base + n * per_token ms for a step of n tokens (None: not a benchmarked contributor)."""
+        members = self.follower.members
+        info = members.info if stage == self.node.peer_id else members.view().get(stage)  # (the view lacks itself)
+        if info is None or info.role != "contributor":
+            return None
+        base, per_token = info.bench.get("layer_ms_base"), info.bench.get("layer_ms_per_token")
+        if base is None or per_token is None or not math.isfinite(base + per_token) or min(base, per_token) < 0 or \
+                base + per_token <= 0:
+            return None
+        return CAPACITY_MARGIN * 1000.0 * STEP_TOKENS / (base + STEP_TOKENS * per_token)
 
     def _catch_up(self) -> None:
-        """(Under the lock, leading.) Continue a newer ledger followed (a predecessor's), and forfeit the
-        credit of every stage the plan sentences."""
+        """(Under the lock, leading.) Continue a newer ledger followed (a predecessor's), take this lease's term,
+        and forfeit the credit of every stage the plan sentences."""
         self.book.continue_from(self.follower.ledger_state, self.clock())
+        lease = self.follower.lease
+        if lease is not None and lease.term > self.book.term:
+            self.book.term = lease.term
         for e in self.follower.state.excluded:
             if e.until and self.book.forfeit(e.node):
                 log.warning("%s forfeits its credit: %s", e.node, e.reason)

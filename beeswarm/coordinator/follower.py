@@ -165,14 +165,13 @@ class PlanFollower:
         self.apply(signed)
 
     def take_ledger(self, author: str, msg: SignedLedger) -> bool:
-        """Hold `msg` if its author leads the lease followed and it is newer than the ledger held, or comes from
-        a new coordinator (its ledger is the swarm's now, even if it missed its predecessor's last one); the
-        next coordinator continues from here. ProtocolError when it is not its author's."""
+        """Hold `msg` if its author leads the lease followed and it is newer, by (term, seq), than the ledger held
+        (a new coordinator's term is higher: its ledger is the swarm's now); the next coordinator continues from
+        here. ProtocolError when it is not its author's."""
         state = receipts.verify_ledger(msg)
         if state.coordinator != author:
             raise ProtocolError(f"a ledger signed by {state.coordinator} was published by {author}")
-        if author != self.leader() or (state.seq <= self.ledger_state.seq and
-                                       state.coordinator == self.ledger_state.coordinator):
+        if author != self.leader() or (state.term, state.seq) <= (self.ledger_state.term, self.ledger_state.seq):
             return False
         self.ledger, self.ledger_state = msg, state
         return True

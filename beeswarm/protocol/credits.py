@@ -90,9 +90,11 @@ class Balance(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
-    """The balances as one coordinator published them: `seq` grows by one per change, across coordinators."""
+    """The balances as one coordinator published them: `seq` grows by one per change, across coordinators; `term`
+    is the publisher's lease term: ledgers are ordered by (term, seq), so an old one replayed never wins."""
 
     swarm: Short = ""
+    term: Annotated[int, msgspec.Meta(ge=0)] = 0
     seq: Annotated[int, msgspec.Meta(ge=0)] = 0
     coordinator: PeerId = ""
     horizon: float = 0.0  # receipts issued at or before this are refused: too old to be told from a replay

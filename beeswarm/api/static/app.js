@@ -202,7 +202,8 @@ async function send(text) {
     return;
   }
   $("prompt").value = "";
-  state.messages.push({ role: "user", content: text });
+  const conversation = state.messages;  // "New chat" while this streams starts another: this reply stays in its own
+  conversation.push({ role: "user", content: text });
   addMessage("user", text);
   const reply = addMessage("assistant", "");
   reply.classList.add("streaming");
@@ -213,7 +214,7 @@ async function send(text) {
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), signal: controller.signal,
-      body: JSON.stringify({ model: state.config.model, messages: state.messages, stream: true,
+      body: JSON.stringify({ model: state.config.model, messages: conversation, stream: true,
                              stream_options: { include_usage: true }, ...params }),
     });
     if (!response.ok) throw await failureOf(response);
@@ -230,16 +231,16 @@ async function send(text) {
         }
       }
     }
-    state.messages.push({ role: "assistant", content: answer });
+    conversation.push({ role: "assistant", content: answer });
     reply.append(el("div", { class: "meta", text: describe(extras, usage) }));
     reply.dataset.done = "true";
   } catch (e) {
     if (e.name === "AbortError") {  // stopped: what came stays in the conversation
-      state.messages.push({ role: "assistant", content: answer });
+      conversation.push({ role: "assistant", content: answer });
       reply.append(el("div", { class: "meta", text: "stopped" }));
       reply.dataset.done = "stopped";
     } else {
-      state.messages.pop();  // the question was not answered: it goes back to the box, to send again
+      conversation.pop();  // the question was not answered: it goes back to the box, to send again
       if (!$("prompt").value) $("prompt").value = text;
       reply.className = "error";
       reply.setAttribute("role", "alert");
@@ -368,7 +369,12 @@ function render(r) {
   for (const [peer, m] of state.lastSeen) {
     if (!peers.has(peer) && !state.gone.has(peer)) state.gone.set(peer, { row: m, since: now });
   }
-  for (const [peer, g] of state.gone) if (now - g.since > GONE_SHOWN_MS) state.gone.delete(peer);
+  for (const [peer, g] of state.gone) {
+    if (now - g.since > GONE_SHOWN_MS) {
+      state.gone.delete(peer);
+      state.history.delete(peer);  // a member gone for good takes its sparkline with it
+    }
+  }
   state.lastSeen = new Map(r.members.map((m) => [m.peer, m]));
   $("members").tBodies[0].replaceChildren(
     ...r.members.map((m) => memberRow(m, false)),
@@ -424,6 +430,7 @@ async function poll() {
 // ---- start -----------------------------------------------------------------------------------------
 async function start() {
   applyTheme(localStorage.getItem("beeswarm.theme") || "auto");
+  select(location.hash === "#swarm" ? tabs[1] : tabs[0]);  // before any fetch: the page opens where it was asked
   try {
     const response = await fetch("/api/config");
     if (!response.ok) throw await failureOf(response);
@@ -437,7 +444,6 @@ async function start() {
   $("max_tokens").max = state.config.context - 1;
   resetSampling();
   if (state.config.key_required && !state.key) askForKey();
-  select(location.hash === "#swarm" ? tabs[1] : tabs[0]);
   poll();
   setInterval(poll, POLL_MS);
   if (!state.config.key_required || state.key) $("prompt").focus();
