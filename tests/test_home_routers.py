@@ -66,7 +66,7 @@ def test_a_user_at_home_chats_through_contributors_at_home_who_punch_a_hole_and_
         logs = (swarm.logs / "alice.log").read_text() + (swarm.logs / "bob.log").read_text()
         return punched_line(bob) in logs or punched_line(alice) in logs
 
-    wait_for(punched, 60, "a direct connection between the two home stages")
+    wait_for(punched, 120, "a direct connection between the two home stages")
     time.sleep(60)  # twice the routers' idle timeout without a chat
     reply = swarm.chat(carol, "carol-again")
     assert reply["tokens"] == expected_tokens(8) and {s["peer"] for s in reply["route"]} == {alice, bob}
