@@ -9,14 +9,14 @@ from beeswarm.client.receipts import ReceiptBook
 from beeswarm.client.remote import Inbox, RemotePipeline, StageBusy, StageFailed
 from beeswarm.contributor import admission
 from beeswarm.contributor.stage import StageServer
-from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE, MAX_AGE_S, CreditLedger, rank
+from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE, MAX_AGE_S, MEMORY, CreditLedger, rank
 from beeswarm.coordinator.receipts import receipt_verifies, sign_ledger, sign_receipt, verify_ledger
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p import identity
-from beeswarm.protocol import ProtocolError
+from beeswarm.protocol import CONTROL_LIMIT, ProtocolError, encode
 from beeswarm.protocol.coordinator import Stage
-from beeswarm.protocol.credits import MAX_RECENT, Receipt, swarm_id
+from beeswarm.protocol.credits import MAX_BALANCES, MAX_RECENT, Receipt, swarm_id
 from beeswarm.shard import EntryModel, Span, SpanRuntime
 
 SWARM = swarm_id("beeswarm", "tinycode")
@@ -103,7 +103,7 @@ def test_the_ledger_forgets_old_receipts_but_refuses_their_replays(peers):
     ledger = CreditLedger(SWARM)
     first = receipt(entry, stage, "first", 1, 0, issued=NOW - 100)
     assert record(ledger, first) is None
-    for i in range(MAX_RECENT):  # from many stages: one stage is credited for so many sessions in a window only
+    for i in range(MEMORY):  # from many stages: one stage is credited for so many sessions in a window only
         ledger.record(msgspec.structs.replace(first, stage=f"stage{i % 8}", session=f"s{i}", issued=NOW - 50), True,
                       NOW, 1e9)
     assert first.key not in ledger.recent and ledger.horizon == NOW - 100
@@ -111,14 +111,38 @@ def test_the_ledger_forgets_old_receipts_but_refuses_their_replays(peers):
     # the earliest issued are forgotten first: receipts dated late, recorded early, never push the horizon past
     # receipts still on their way (forgetting in arrival order would have set it to NOW + 20)
     flooded = CreditLedger(SWARM)
-    for i in range(MAX_RECENT // 2):
-        flooded.record(msgspec.structs.replace(first, stage=f"late{i % 4}", session=f"late{i}", issued=NOW + 20),
+    for i in range(MEMORY // 2):
+        flooded.record(msgspec.structs.replace(first, stage=f"late{i % 8}", session=f"late{i}", issued=NOW + 20),
                        True, NOW, 1e9)
-    for i in range(MAX_RECENT):
+    for i in range(MEMORY):
         flooded.record(msgspec.structs.replace(first, stage=f"stage{i % 8}", session=f"s{i}", issued=NOW - 50), True,
                        NOW, 1e9)
     assert flooded.horizon == NOW - 50
     assert record(flooded, receipt(entry, stage, "on its way", issued=NOW - 10)) is None
+
+
+def test_the_largest_ledger_is_one_gossip_message_and_its_successor_refuses_what_it_left_out(peers):
+    """Every account full and MEMORY receipts remembered: what is published (the newest MAX_RECENT, and a horizon
+    past the rest) fits one gossip message, so a busy swarm's coordinator can still publish it (a chaos hour
+    grew one past 64 KiB before, and its successors could no longer continue it)."""
+    coordinator = peers[0]
+    big = 1 << 49
+    accounts = [(identity.ephemeral(), identity.ephemeral()) for _ in range(MAX_BALANCES // 2)]
+    ledger = CreditLedger(SWARM)
+    receipts = [receipt(*accounts[i % len(accounts)], session=f"s{i}", prefill=big, decode=0, issued=NOW - MEMORY + i)
+                for i in range(MEMORY)]
+    for r in receipts:
+        assert record(ledger, r, capacity=1e18) is None
+    state = ledger.state(coordinator.peer_id, NOW)
+    assert len(state.balances) == MAX_BALANCES and len(state.recent) == MAX_RECENT and len(ledger.recent) == MEMORY
+    signed = sign_ledger(coordinator.key_pair, state)
+    assert len(encode(signed)) <= CONTROL_LIMIT and verify_ledger(signed) == state
+
+    new = CreditLedger(SWARM)
+    assert new.continue_from(state, NOW)
+    assert record(new, receipts[-1], capacity=1e18) == "already counted (a replay)"
+    assert record(new, receipts[-MAX_RECENT - 1], capacity=1e18).startswith("too old")  # left out: past the horizon
+    assert record(new, receipt(*accounts[0], session="next", issued=NOW + 1), capacity=1e18) is None
 
 
 def test_a_signed_ledger_verifies_and_a_successor_continues_it_without_losing_or_doubling(peers):

@@ -52,6 +52,7 @@ class ReceiptBox:
         self._lock = threading.Lock()
         self._pending: deque[Receipt] = deque()
         self._recorded: deque[tuple[Receipt, str, float]] = deque()  # (receipt, by whom, when): rechecked
+        self._again: set[bytes] = set()  # keys of receipts handed in again: counted before, whatever the answer
 
     def start(self) -> None:
         self.node.serve(ids.RECEIPT, self._on_receipt, _given)
@@ -103,6 +104,7 @@ class ReceiptBox:
         if again:
             self._recorded = deque(item for item in self._recorded if item[1] == leader)
             self._pending.extendleft(reversed(again))
+            self._again.update(r.key for r in again)
 
     async def _hand_in(self, leader: str, batch: list[Receipt]) -> None:
         msg = HandIn(receipts=tuple(batch))
@@ -121,9 +123,11 @@ class ReceiptBox:
         now = self.clock()
         with self._lock:
             for r, why in zip(batch, reply.refused, strict=True):
+                again = r.key in self._again
+                self._again.discard(r.key)
                 if not why:
                     self.counts.recorded += 1
-                elif why.startswith("already counted"):
+                elif why.startswith("already counted") or again and why.startswith("too old"):  # (past its horizon)
                     log.info("%s already counted the receipt for session %s (handed in again)", leader, r.session)
                 else:
                     self.counts.refused += 1

@@ -2,9 +2,10 @@
 
 Serving earns what a receipt says the entry accepted (layer-tokens); generating spends the same units,
 from the entry's balance and then from a free allowance (FREE_ALLOWANCE), so a newcomer can try the swarm.
-A receipt counts once: the ledger remembers recent ones (`recent`) and refuses any issued at or before its
-`horizon` (the latest issue time it forgot; it forgets the earliest issued first), so the memory stays
-bounded and a replay never counts.
+A receipt counts once: the ledger remembers recent ones (`recent`, MEMORY of them) and refuses any issued at
+or before its `horizon` (the latest issue time it forgot; it forgets the earliest issued first), so the memory
+stays bounded and a replay never counts. It publishes the newest MAX_RECENT it remembers, with a horizon
+moved past the rest, so that its successor refuses their replays too.
 A stage caught lying forfeits its balance and every receipt after. A stage is never credited faster than
 its capacity (`capacity`: layer-tokens per second it could have served): receipts for work it could not
 have done are refused, as are those of a stage whose capacity is unknown (not a benchmarked contributor), so
@@ -19,14 +20,15 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from beeswarm.protocol.credits import MAX_BALANCES, MAX_RECENT, Balance, LedgerState, Receipt, Seen
+from beeswarm.protocol.credits import MAX_BALANCES, MAX_RECENT, UNITS_MAX, Balance, LedgerState, Receipt, Seen
 
 FREE_ALLOWANCE = 2_000_000  # layer-tokens an identity may spend before it earns (~25k tokens of an 80-layer model)
 MAX_AGE_S = 6 * 3600.0  # receipts issued longer ago are refused (a stage hands its in within seconds)
 MAX_SKEW_S = 30.0  # receipts issued further in the future (by the entry's clock) are refused
 CAPACITY_WINDOW_S = 600.0  # a stage's credit is checked against its capacity over this window
-RECEIPTS_PER_WINDOW = MAX_RECENT // 4  # receipts one stage may be credited for in the window (sessions served):
-# the ledger remembers MAX_RECENT, so no one stage's flood forgets the others' receipts still on their way
+MEMORY = 8 * MAX_RECENT  # receipt digests the coordinator remembers (it publishes the newest MAX_RECENT)
+RECEIPTS_PER_WINDOW = MEMORY // 4  # receipts one stage may be credited for in the window (sessions served), so
+# that no one stage's flood forgets the others' receipts still on their way
 
 
 @dataclass
@@ -38,10 +40,11 @@ class Account:
     hours: dict[int, list[int]] = field(default_factory=dict)  # hour (unix time // 3600) -> [earned, spent]
 
     def add(self, now: float, earned: int, spent: int) -> None:
-        self.earned, self.spent = self.earned + earned, self.spent + spent
+        """(Sums saturate at UNITS_MAX, so that a published ledger always decodes.)"""
+        self.earned, self.spent = min(UNITS_MAX, self.earned + earned), min(UNITS_MAX, self.spent + spent)
         hour = int(now // 3600)
         bucket = self.hours.setdefault(hour, [0, 0])
-        bucket[0], bucket[1] = bucket[0] + earned, bucket[1] + spent
+        bucket[0], bucket[1] = min(UNITS_MAX, bucket[0] + earned), min(UNITS_MAX, bucket[1] + spent)
         for old in [h for h in self.hours if h <= hour - 24]:
             del self.hours[old]
 
@@ -49,7 +52,7 @@ class Account:
         """(earned, spent) in the last `hours` whole hours and this one."""
         hour = int(now // 3600)
         buckets = [b for h, b in self.hours.items() if h > hour - hours]
-        return sum(b[0] for b in buckets), sum(b[1] for b in buckets)
+        return min(UNITS_MAX, sum(b[0] for b in buckets)), min(UNITS_MAX, sum(b[1] for b in buckets))
 
     def served_since(self, since: float) -> int:
         while self.window and self.window[0][0] <= since:
@@ -117,7 +120,7 @@ class CreditLedger:
         stage.served_since(now - CAPACITY_WINDOW_S)  # (drops what fell out of the window: it stays bounded)
         stage.window.append((now, r.units))
         self._remember(r.key, r.issued)
-        while len(self.recent) > MAX_RECENT:  # the earliest issued go: a flood of late-dated ones cannot push
+        while len(self.recent) > MEMORY:  # the earliest issued go: a flood of late-dated ones cannot push
             issued, key = heapq.heappop(self._by_issue)  # the horizon past receipts still on their way
             del self.recent[key]
             self.horizon = max(self.horizon, issued)
@@ -141,11 +144,14 @@ class CreditLedger:
         heapq.heappush(self._by_issue, (issued, key))
 
     def state(self, coordinator: str, now: float) -> LedgerState:
-        return LedgerState(swarm=self.swarm, term=self.term, seq=self.seq, coordinator=coordinator,
-                           horizon=self.horizon,
+        """What is published: the balances, and the newest MAX_RECENT receipts remembered with a horizon past the
+        others (one gossip message, whatever the swarm's rate)."""
+        newest = heapq.nlargest(MAX_RECENT + 1, self.recent.items(), key=lambda item: item[1])
+        horizon = max(self.horizon, newest[MAX_RECENT][1]) if len(newest) > MAX_RECENT else self.horizon
+        return LedgerState(swarm=self.swarm, term=self.term, seq=self.seq, coordinator=coordinator, horizon=horizon,
                            balances=tuple(Balance(n, a.earned, a.spent, a.forfeited, a.last(now, 1), a.last(now, 24))
                                           for n, a in sorted(self.accounts.items())),
-                           recent=tuple(Seen(key, issued) for key, issued in self.recent.items()))
+                           recent=tuple(Seen(key, issued) for key, issued in reversed(newest[:MAX_RECENT])))
 
     def continue_from(self, state: LedgerState, now: float) -> bool:
         """Take over a ledger published later than this one, by (term, seq) (a coordinator taking over continues

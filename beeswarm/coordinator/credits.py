@@ -25,7 +25,7 @@ from beeswarm.protocol.credits import HandIn, LedgerRequest, Recorded, SignedLed
 
 log = logging.getLogger(__name__)
 
-PUBLISH_AFTER_S = 1.0  # a change is published within this
+PUBLISH_AFTER_S = 5.0  # a change is published within this (up to 64 KiB to every member: not every second)
 REPUBLISH_S = 30.0  # and the ledger again when nothing changed (for newcomers, and a successor that missed one)
 CAPACITY_MARGIN = 4.0  # times a stage's benchmarked layer-tokens/s it may be credited for (batching, bursts)
 STEP_TOKENS = 2048  # the longest step the capacity assumes (a long prompt's prefill: the fastest per token)

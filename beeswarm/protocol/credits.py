@@ -16,15 +16,18 @@ from typing import Annotated
 
 import msgspec
 
-from beeswarm.protocol.encoding import Message
+from beeswarm.protocol.encoding import CONTROL_LIMIT, Message
 from beeswarm.protocol.membership import Short
 from beeswarm.protocol.session import PeerId, SessionId
 from beeswarm.protocol.step import DIGEST_BYTES, Digest, Signature
 
-Units = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
+UNITS_MAX = 1 << 50  # layer-tokens: a ledger's sums stop here (an 80-layer model's 14 trillion tokens)
+Units = Annotated[int, msgspec.Meta(ge=0, le=UNITS_MAX)]
 MAX_RECEIPTS = 64  # per hand-in
-MAX_BALANCES = 1024
-MAX_RECENT = 3072  # receipts the published ledger remembers against replays (older ones: `horizon`)
+# A published ledger is one gossip message (CONTROL_LIMIT), whatever its figures: 256 accounts of at most 112 bytes
+# and 1024 digests of 28 (tests/test_credits.py builds the largest one)
+MAX_BALANCES = 256
+MAX_RECENT = 1024  # receipts the published ledger remembers against replays (older ones: `horizon`)
 MAX_REASON = 300
 
 
@@ -102,8 +105,7 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
     recent: Annotated[tuple[Seen, ...], msgspec.Meta(max_length=MAX_RECENT)] = ()
 
 
-# bytes of a SignedLedger at most: within one gossip RPC (p2p.topics); MAX_BALANCES and MAX_RECENT fit in it
-LEDGER_LIMIT = 224 * 1024
+LEDGER_LIMIT = CONTROL_LIMIT  # bytes of a SignedLedger at most
 
 
 class SignedLedger(Message, frozen=True, tag="ledger"):
