@@ -4,7 +4,8 @@
 A receipt the coordinator recorded is kept for RECHECK_S and handed in again if the lease changes hands
 meanwhile: a coordinator killed before its ledger reached its successor would otherwise take the credit
 with it. The successor continues the newest ledger it followed, so a receipt it already holds is refused
-as counted, never counted twice.
+as counted, never counted twice. One refused because the coordinator has not heard this stage's benchmark
+(a coordinator new to it, or a stage just back from a freeze) is handed in again while it is under RECHECK_S old.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import trio
 
+from beeswarm.coordinator.credit_ledger import UNKNOWN_CAPACITY
 from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.receipts import receipt_verifies
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
@@ -123,6 +125,9 @@ class ReceiptBox:
         now = self.clock()
         with self._lock:
             for r, why in zip(batch, reply.refused, strict=True):
+                if why == UNKNOWN_CAPACITY and time.time() - r.issued < RECHECK_S:
+                    self._pending.append(r)  # it has not heard this stage's heartbeat (yet, or since a freeze): later
+                    continue
                 again = r.key in self._again
                 self._again.discard(r.key)
                 if not why:

@@ -27,6 +27,7 @@ MAX_AGE_S = 6 * 3600.0  # receipts issued longer ago are refused (a stage hands 
 MAX_SKEW_S = 30.0  # receipts issued further in the future (by the entry's clock) are refused
 CAPACITY_WINDOW_S = 600.0  # a stage's credit is checked against its capacity over this window
 MEMORY = 8 * MAX_RECENT  # receipt digests the coordinator remembers (it publishes the newest MAX_RECENT)
+UNKNOWN_CAPACITY = "the stage's capacity is unknown: only a contributor whose heartbeat carries its benchmark earns"
 RECEIPTS_PER_WINDOW = MEMORY // 4  # receipts one stage may be credited for in the window (sessions served), so
 # that no one stage's flood forgets the others' receipts still on their way
 
@@ -101,7 +102,7 @@ class CreditLedger:
         if stage is not None and stage.forfeited:
             return "the stage was caught lying by an audit: it forfeited its credit"
         if capacity is None or not math.isfinite(capacity) or capacity <= 0:
-            return "the stage's capacity is unknown: only a contributor whose heartbeat carries its benchmark earns"
+            return UNKNOWN_CAPACITY
         done = stage.served_since(now - CAPACITY_WINDOW_S) if stage else 0
         if stage is not None and len(stage.window) >= RECEIPTS_PER_WINDOW:
             return f"more sessions than a stage is credited for in {CAPACITY_WINDOW_S / 60:.0f} minutes"
