@@ -72,8 +72,7 @@ class CreditKeeper:
     def _capacity(self, stage: str) -> float | None:
         """Layer-tokens per second `stage` can have served, from the benchmark in its heartbeat: a layer takes
         base + n * per_token ms for a step of n tokens (None: not a benchmarked contributor)."""
-        members = self.follower.members
-        info = members.info if stage == self.node.peer_id else members.view().get(stage)  # (the view lacks itself)
+        info = self.follower.members.view(with_self=True).get(stage)  # (a coordinator serving layers earns too)
         if info is None or info.role != "contributor":
             return None
         base, per_token = info.bench.get("layer_ms_base"), info.bench.get("layer_ms_per_token")

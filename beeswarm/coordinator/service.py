@@ -326,8 +326,7 @@ class Coordinator:
         with self._lock:
             self.sentences = {node: e for node, e in self.sentences.items() if e.until > now}
             sentenced = set(self.sentences)
-        view = {peer: info for peer, info in {**self.members.view(), self.node.peer_id: self.members.info}.items()
-                if peer not in sentenced}
+        view = {peer: info for peer, info in self.members.view(with_self=True).items() if peer not in sentenced}
         cluster = cluster_from_members(view, self.model, self.workload)
         others = left_out(view, self.model.quant)  # not in the cluster, named in the plan: a change counts
         standings = self._standings(view, self.state.active)

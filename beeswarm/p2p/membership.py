@@ -144,9 +144,13 @@ class Membership:
         lease = self._lease()
         return lease[0] if lease else None
 
-    def view(self) -> dict[str, NodeInfo]:
+    def view(self, with_self: bool = False) -> dict[str, NodeInfo]:
+        """Each member's info (the others); `with_self`: this node's own too."""
         with self._lock:
-            return {peer: m.info for peer, m in self._members.items()}
+            view = {peer: m.info for peer, m in self._members.items()}
+            if with_self:
+                view[self._info.peer] = self._info
+            return view
 
     def members(self) -> dict[str, Member]:
         """Each member's info with when it was last heard from (`clock()` time)."""
