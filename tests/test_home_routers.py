@@ -179,14 +179,17 @@ def test_a_contributor_nobody_can_reach_is_told_why_and_left_out_of_plans(swarm)
     bed = swarm.bed
     half = budgets(MODEL, 2)[0]
     swarm.contribute(bed.public_host("boot"), "boot", budgets(MODEL, 1)[0], "--no-relay-service")  # all of it
-    alice = swarm.contribute(bed.behind(bed.home_router("home1"), "alice"), "alice", half)
+    alice = swarm.contribute(bed.behind(bed.home_router("home1"), "alice"), "alice", half, verbose=True)
     watcher = bed.public_host("watcher")
 
     def excluded() -> str | None:
         plan = swarm.status(watcher)["plan"] or {}
         return next((e["reason"] for e in plan.get("excluded", []) if e["node"] == alice), None)
 
-    wait_for(lambda: excluded() == UNREACHABLE, 60, "the plan to leave the unreachable contributor out, saying why")
+    try:
+        wait_for(lambda: excluded() == UNREACHABLE, 60, "the plan to leave the unreachable contributor out, saying why")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; alice's log:\n{(swarm.logs / 'alice.log').read_text()[-3000:]}") from None
     said = wait_for(lambda: (swarm.logs / "alice.log").read_text().count("nobody can reach this node"), 30,
                     "the contributor to say why nobody can reach it")
     time.sleep(KEEP_S * 2)  # (the relay slots are looked after every KEEP_S: it said it once, and not again)

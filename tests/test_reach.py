@@ -12,7 +12,7 @@ import multiaddr
 import pytest
 
 from beeswarm.p2p import addresses, identity
-from beeswarm.p2p.dialback import Answer, verdict
+from beeswarm.p2p.dialback import Answer, Reachability, verdict
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
@@ -140,6 +140,16 @@ def test_who_is_public_is_decided_by_peers_that_saw_a_public_address():
     assert verdict([Answer(home, (4001,))], 2) == "public"  # a home (or loopback) swarm: public to it
     assert verdict([Answer(internet, ())], 2) == "unknown" and verdict([Answer(internet, ())], 1) == "private"
     assert verdict([], 1) == "unknown"
+
+
+def test_a_node_behind_a_nat_among_clients_that_leave_before_answering_learns_it_is_private():
+    """Its only lasting peer fails to dial it back twice; the other peers it knows are `status` or chat clients
+    gone before they answer (a CI run once waited 60 s for such a node to be called private)."""
+    reach, boot, failed = Reachability(), "boot", DialedBack(observed_ip="203.0.113.10", dialable=())
+    assert reach.heard(boot, failed, peers_known=2) == "unknown"  # one failure may be a fluke
+    assert reach.heard(boot, DialedBack(observed_ip="", dialable=()), peers_known=2) == "unknown"  # not yet asked
+    assert reach.heard(boot, failed, peers_known=3) == "private"
+    assert reach.heard("other", DialedBack(observed_ip="198.51.100.7", dialable=(4001,)), peers_known=3) == "public"
 
 
 def test_loopback_is_announced_only_by_a_loopback_only_node_and_private_addresses_dialled_only_nearby():

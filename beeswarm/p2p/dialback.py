@@ -10,7 +10,9 @@ dialled, at no more than MAX_PORTS ports, so nobody can aim a node's dials at a 
 A node asks up to ASK peers it is directly connected to. Answers from peers that saw it at a public
 address count over those that saw a private one (a peer on the same home network reaches it where the
 internet cannot): one dial-back that worked makes it public; as many failed ones as peers asked (two at
-least, unless it knows only one peer), and none that worked, make it private.
+least, unless it knows only one peer), and none that worked, make it private. So does one peer failing twice
+(ANSWER_EVERY_S apart) with none that worked: the others a node knows may be clients that come and go before
+they answer (a `status`, a chat), and their count alone must not keep a node behind a NAT "unknown".
 """
 from __future__ import annotations
 
@@ -115,13 +117,16 @@ class Reachability:
         self.reach: Reach = "unknown"
         self.observed_ip: str | None = None
         self.answers: dict[str, Answer] = {}  # peer -> its last answer
+        self.failed: dict[str, int] = {}  # peer -> its failed dial-backs in a row
 
     def heard(self, peer: str, reply: DialedBack, peers_known: int) -> Reach:
         if reply.observed_ip:
             self.answers[peer] = Answer(reply.observed_ip, tuple(reply.dialable))
+            self.failed[peer] = 0 if reply.dialable else self.failed.get(peer, 0) + 1
             if is_public(reply.observed_ip) or self.observed_ip is None:
                 self.observed_ip = reply.observed_ip
-        before, self.reach = self.reach, verdict(self.answers.values(), min(2, max(1, peers_known)))
+        needed = 1 if max(self.failed.values(), default=0) >= 2 else min(2, max(1, peers_known))
+        before, self.reach = self.reach, verdict(self.answers.values(), needed)
         if self.reach != before:
             log.info("reachability: %s (dialled back by %d of %d peers asked; seen from %s)", self.reach,
                      sum(bool(a.dialable) for a in self.answers.values()), len(self.answers), self.observed_ip)
@@ -140,6 +145,7 @@ class Reachability:
         """Drop the answers of peers no longer connected (their word is about addresses that may have changed)."""
         kept = set(keep)
         self.answers = {p: a for p, a in self.answers.items() if p in kept}
+        self.failed = {p: n for p, n in self.failed.items() if p in kept}
 
 
 async def keep_learning(reachability: Reachability, direct_peers: Callable[[], list[str]],
