@@ -1,8 +1,11 @@
 """`beeswarm swarm --local N`: N contributor processes on 127.0.0.1, as N small machines would be.
 
-Each child gets its own config dir (a stable identity per index) and a memory budget of its share
-of the model (an even split of the layers plus 5%), so the plan really spans all N. Children die
-with the launcher (PR_SET_PDEATHSIG on Linux), so a killed launcher leaves no orphans.
+Each child gets its own config dir, a key of its own (handed over in BEESWARM_IDENTITY: children
+must not share the one key an OS keyring holds) and a memory budget of its share of the model (an
+even split of the layers plus 5%), so the plan really spans all N. The first child's key and port are
+chosen here, so the others know its address and start beside it (each spends seconds importing
+torch) instead of after it. Children die with the launcher (PR_SET_PDEATHSIG on Linux), so a killed
+launcher leaves no orphans.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +29,7 @@ from pathlib import Path
 
 from beeswarm.config import cache_dir
 from beeswarm.contributor.process import model_shape
+from beeswarm.p2p import identity
 from beeswarm.p2p.descriptor import SwarmDescriptor, write
 from beeswarm.protocol.membership import Quant
 from beeswarm.protocol.spans import Span, even_splits
@@ -45,6 +50,13 @@ class Child:
     addr: str | None = None
     span: Span | None = None
     lines: queue.Queue[str | None] = field(default_factory=queue.Queue)  # what the child printed
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the first child listens on it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _runs_dir() -> Path:
@@ -99,9 +111,13 @@ class LocalSwarm:
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="swarm-", dir=_runs_dir()))
         self.children: list[Child] = []
         self.num_layers = 0
+        self._keys: dict[int, identity.Identity] = {}  # a child's key, kept if it is started again
 
-    def _spawn(self, index: int, budget: int, joins: Sequence[str] = ()) -> Child:
-        port = self.base_port + index if self.base_port else 0
+    def _key(self, index: int) -> identity.Identity:
+        return self._keys.setdefault(index, identity.ephemeral())
+
+    def _spawn(self, index: int, budget: int, joins: Sequence[str] = (), port: int | None = None) -> Child:
+        port = port if port is not None else self.base_port + index if self.base_port else 0
         cmd = [*beeswarm_command(), "--log-level", self.log_level, "contribute", "--headless", "--json-events",
                "--model", self.model, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory", str(budget),
                "--device", self.device, "--heartbeat", str(self.heartbeat), "--quant", self.quant]
@@ -111,8 +127,8 @@ class LocalSwarm:
             cmd += ["--announce", self.announce[index]]
         env = {**os.environ, "BEESWARM_CONFIG_DIR": str(self.state_dir / f"node{index}"),
                "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(self.n)))}
-        env.pop("BEESWARM_IDENTITY", None)
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(self.n))),
+               identity.ENV: identity.encoded(self._key(index))}
         log_file = open(self.state_dir / f"node{index}.log", "a")  # noqa: SIM115 - lives as long as the child
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
                                    text=True, env=env,
@@ -152,17 +168,19 @@ class LocalSwarm:
         if not 1 <= self.n <= self.num_layers:
             raise LocalSwarmError(f"--local {self.n}: the model has {self.num_layers} layers; use 1..{self.num_layers}")
         sizes = budgets(self.model, self.n, device=self.device, quant=self.quant)
-        first = self._spawn(0, sizes[0])
+        port = self.base_port or free_port()
+        first = self._spawn(0, sizes[0], port=port)
         self.children.append(first)
+        boot = f"{self.announce[0] if self.announce else f'/ip4/127.0.0.1/tcp/{port}'}/p2p/{self._key(0).peer_id}"
+        for i in range(1, self.n):  # (a bootstrap not listening yet is dialled again every few seconds)
+            self.children.append(self._spawn(i, sizes[i], [boot]))
         deadline = time.monotonic() + timeout
         while first.addr is None:
             if first.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise LocalSwarmError(f"the first contributor did not start (exit status {first.process.poll()})")
             time.sleep(0.05)
-        for i in range(1, self.n):
-            self.children.append(self._spawn(i, sizes[i], [first.addr]))
-        return first.addr
+        return boot
 
     def covered(self) -> bool:
         spans = sorted(c.span for c in self.children if c.span)

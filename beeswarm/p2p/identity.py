@@ -1,6 +1,7 @@
 """The node's Ed25519 key: created on first start, reused so the peer id is stable."""
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 from libp2p.crypto.ed25519 import Ed25519PrivateKey, create_new_key_pair
@@ -48,3 +49,8 @@ def ephemeral() -> Identity:
     """A throwaway key (tests, one-shot clients that need no stable id)."""
     key_pair = create_new_key_pair()
     return Identity(key_pair, "memory")
+
+
+def encoded(identity: Identity) -> str:
+    """The key as BEESWARM_IDENTITY takes it: a process started with it in its environment has `identity`."""
+    return base64.b64encode(identity.key_pair.private_key.to_bytes()).decode()
