@@ -23,14 +23,19 @@ check: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 # The bundle's smoke tests (tests/test_bundle.py) run the binary built here (rebuilt when sources
-# change). The build (~3-4 min, one process) runs beside the rest of the suite, then its tests run.
+# change). Beside the rest of the suite run, one after the other, the build (~3-4 min, one process)
+# and the network-namespace tests (~5 min, mostly waiting on routers' timers, relays and hole
+# punches; their output follows the suite's); then the bundle's tests run.
 test: $(STAMP) check
 	@mkdir -p build
-	@($(MAKE) --no-print-directory $(BUNDLE) > build/bundle.log 2>&1; echo $$? > build/bundle.rc) & \
-	$(PY) -m pytest --durations=20 $(PYTEST_ARGS) --ignore=tests/test_bundle.py; suite=$$?; wait; \
+	@($(MAKE) --no-print-directory $(BUNDLE) > build/bundle.log 2>&1; echo $$? > build/bundle.rc; \
+	  $(PY) -m pytest -m netns --durations=10 --basetemp=build/netns-tmp $(PYTEST_ARGS) > build/netns.log 2>&1; \
+	  echo $$? > build/netns.rc) & \
+	$(PY) -m pytest -m "not netns" --durations=20 $(PYTEST_ARGS) --ignore=tests/test_bundle.py; suite=$$?; wait; \
+	echo "--- the network-namespace tests (build/netns.log) ---"; cat build/netns.log; \
 	if [ "$$(cat build/bundle.rc)" != 0 ]; then tail -40 build/bundle.log; echo "bundle build failed"; exit 1; fi; \
 	BEESWARM_REQUIRE_BUNDLE=1 $(PY) -m pytest $(PYTEST_ARGS) tests/test_bundle.py; bundle=$$?; \
-	exit $$(( suite || bundle ))
+	exit $$(( suite || bundle || $$(cat build/netns.rc) ))
 
 # The inner loop: the pure and in-process tests (no beeswarm processes), a few minutes on 2 cores.
 test-fast: $(STAMP)
