@@ -14,6 +14,7 @@ the steps sent, cancelled, and the share of computed positions that were in canc
 times on rings of 80 ms and less, where a mode takes seconds and runs are noisy).
 
     python benchmarks/spec_bench.py [--json] [--tokens 48] [--prompts 6] [--ring 280|160] [--sweep] [--pinned D]
+                                    [--draft REF]
 """
 from __future__ import annotations
 
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="serial trees against pipelined on rings of 0-280 ms")
     ap.add_argument("--pinned", type=int, default=0, metavar="D",
                     help="also run with D steps always in flight (the tuner choosing only their shapes)")
+    ap.add_argument("--draft", default="tinycode-draft", help="the draft to speculate with (a folder or a name)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(threads_per_process(4))
@@ -128,7 +130,7 @@ def main() -> None:
     try:
         emulated.start()
         client = emulated.client(ClientOptions(micro_batches=1),
-                                 draft=DraftModel("tinycode-draft", emulated.vocab_size()))
+                                 draft=DraftModel(args.draft, emulated.vocab_size()))
         sampler = BusySampler(client)
         tokenizer = AutoTokenizer.from_pretrained(str(client.entry.folder))
         texts = prompts(tokenizer, args.prompts)
@@ -186,7 +188,7 @@ def main() -> None:
            "tree_shape": rows["tree"]["reports"][-1][0].as_json()["spec"], "speedup_tree": round(tree / plain, 2),
            "speedup_chain": round(rows["chain"]["tokens_per_s"] / plain, 2),
            "modes": {name: public(r) for name, r in rows.items()},
-           "unknown_dialers": emulated.emu.unknown_dialers, "date": time.strftime("%Y-%m-%d")}
+           "draft": args.draft, "unknown_dialers": emulated.emu.unknown_dialers, "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(row) if args.json else "\n".join(f"{k:28} {v}" for k, v in row.items()))
 
 
