@@ -15,6 +15,7 @@ safetensors, the target's tokenizer files copied beside it) to `--out`.
 
     python scripts/distill_draft.py                       # tinycode's draft, in place
     python scripts/distill_draft.py --target DIR --draft DIR --out DIR [--steps 1200] [--text FILE ...]
+    python scripts/distill_draft.py --fresh 3,192 --steps 2000 --out DIR   # a larger draft, taught from the start
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from train_tinycode import read, stdlib_files
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.spec.draft import DraftModel
@@ -39,6 +40,23 @@ from beeswarm.spec.tuner import TreeShape
 ASSETS = Path(__file__).resolve().parents[1] / "beeswarm/assets/tinycode"
 SEQ = 256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def fresh_draft(target_config, shape: str, seed: int):
+    """A Llama of `shape` ("LAYERS,HIDDEN"; heads of 64) with random weights, the target's vocabulary, context
+    and special tokens."""
+    try:
+        layers, hidden = (int(x) for x in shape.split(","))
+    except ValueError:
+        raise SystemExit(f"error: --fresh takes LAYERS,HIDDEN (e.g. 3,192), got {shape!r}") from None
+    torch.manual_seed(seed)
+    heads = max(1, hidden // 64)
+    config = LlamaConfig(vocab_size=target_config.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads,
+                         intermediate_size=int(hidden * 2.75) // 16 * 16,
+                         max_position_embeddings=target_config.max_position_embeddings, tie_word_embeddings=True,
+                         bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id)
+    return LlamaForCausalLM(config)
 
 
 def tokens(tok, files: list[Path]) -> torch.Tensor:
@@ -134,6 +152,8 @@ def main() -> int:
     ap.add_argument("--target", type=Path, default=ASSETS / "target", help="the target's checkpoint folder")
     ap.add_argument("--draft", type=Path, default=ASSETS / "draft", help="the draft to start from")
     ap.add_argument("--out", type=Path, help="where to write the distilled draft (default: over --draft)")
+    ap.add_argument("--fresh", metavar="LAYERS,HIDDEN", help="start from random weights of a Llama of this shape "
+                    "(the target's vocabulary and context) instead of --draft's, which is then only compared")
     ap.add_argument("--text", type=Path, nargs="*", help="text files to distil on (default: the stdlib sources)")
     ap.add_argument("--steps", type=int, default=1200, help="optimizer steps (default 1200: ~10 min on 2 "
                     "cores for tinycode)")
@@ -143,16 +163,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(2)
+    torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
 
     tok = AutoTokenizer.from_pretrained(str(args.target))
     target = AutoModelForCausalLM.from_pretrained(str(args.target), torch_dtype=torch.float32)
-    draft = AutoModelForCausalLM.from_pretrained(str(args.draft), torch_dtype=torch.float32)
     vocab = target.config.vocab_size
+    draft = AutoModelForCausalLM.from_pretrained(str(args.draft), torch_dtype=torch.float32)
     if vocab != draft.config.vocab_size:
-        print(f"error: the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
-              f"({target.config.vocab_size}): a draft must share its target's tokenizer", file=sys.stderr)
+        print(f"error: the draft's vocabulary ({draft.config.vocab_size}) is not the target's ({vocab}): a draft "
+              "must share its target's tokenizer", file=sys.stderr)
         return 2
+    student = fresh_draft(target.config, args.fresh, args.seed) if args.fresh else draft
     if args.text:
         files = sorted(args.text)
         train_files, val_files = files[1:] or files, files[:1]
@@ -163,21 +185,24 @@ def main() -> int:
 
     before = measure(target, draft, val_ids, args.chain)
     before["draft_ms_per_token"] = round(ms_per_token(args.draft, vocab, held_out_prompts(val_ids), args.chain), 2)
+    before["parameters"] = sum(p.numel() for p in draft.parameters())
     print("before:", json.dumps(before), flush=True)
     t0 = time.time()
-    distil(target, draft, train_ids, args.steps, args.batch, args.lr, args.seed)
+    distil(target, student, train_ids, args.steps, args.batch, args.lr, args.seed)
     minutes = (time.time() - t0) / 60
-    after = measure(target, draft, val_ids, args.chain)
+    after = measure(target, student, val_ids, args.chain)
 
     out = args.out or args.draft
     out.mkdir(parents=True, exist_ok=True)
-    draft.half().save_pretrained(str(out), safe_serialization=True)
+    student.generation_config = target.generation_config  # the target's sampling defaults, as tinycode's pair has
+    student.half().save_pretrained(str(out), safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (args.target / name).exists() and (args.target / name).resolve() != (out / name).resolve():
             shutil.copy(args.target / name, out / name)
     after["draft_ms_per_token"] = round(ms_per_token(out, vocab, held_out_prompts(val_ids), args.chain), 2)
+    after["parameters"] = sum(p.numel() for p in student.parameters())
     report = {"steps": args.steps, "batch": args.batch, "seq": SEQ, "minutes": round(minutes, 1),
-              "chain": args.chain, "before": before, "after": after}
+              "fresh": args.fresh, "chain": args.chain, "before": before, "after": after}
     (out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0

@@ -9,6 +9,10 @@ Face folders (fp16 safetensors) under beeswarm/assets/tinycode/ and prints the v
 each model and the draft's greedy agreement with the target.
 
     python scripts/train_tinycode.py [--out DIR] [--target-steps 2500] [--draft-steps 2000]
+
+The draft it trains is on the corpus alone; the shipped draft is then taught by the target:
+
+    python scripts/distill_draft.py --fresh 3,192 --steps 2000 --lr 3e-3 --out beeswarm/assets/tinycode/draft
 """
 from __future__ import annotations
 
