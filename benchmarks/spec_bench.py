@@ -4,7 +4,8 @@
 Each stage's inbound links carry a one-way delay (`--ring 280`: 130, 40 and 110 ms, the entry's none:
 a 280 ms ring whatever the planner's order; `--ring 160`: 40 ms into every node, the entry too, at
 100 Mbit/s). Prompts are the starts of held-out stdlib files (the ones tinycode's training left out).
-Measures decode tokens/s (after each first token, over all prompts) without speculation, with chain
+Measures decode tokens/s (after each first token, over all prompts) without speculation (pushed through
+the stages, and by client hops, Petals' routing), with chain
 drafts, with tuned trees in serial rounds and pipelined (the tuner choosing how many steps to keep in
 flight, 1 included), the measured acceptance, and the closed form
 `(1 - a^(K+1)) / (1 - a) / (K*c_d + C + T_ring)` at the measured a, c_d and C. Per mode: the stages'
@@ -79,11 +80,11 @@ class BusySampler:
 
 
 def run_mode(client, texts, tokens: int, name: str, speculate: bool, tuner: Tuner | None, in_flight: int,
-             sampler: BusySampler, passes: int = 1) -> dict:
+             sampler: BusySampler, passes: int = 1, route: str = "push") -> dict:
     """Decode each prompt `passes` times (one tuner throughout) and sum: short rings are noisy (one serial plan
     measured 78-89 tokens/s in two runs at 0 ms)."""
     client.speculate, client.tuner = speculate, tuner or Tuner()
-    client.options = dataclasses.replace(client.options, max_in_flight=in_flight)
+    client.options = dataclasses.replace(client.options, max_in_flight=in_flight, mode=route)
     decoded, seconds, reports = 0, 0.0, []
     wire0, t0 = client.traffic[0], time.monotonic()
     for ids in texts * passes:
@@ -153,6 +154,9 @@ def main() -> None:
                 modes.append((f"pipelined-{args.pinned}", True, Tuner(in_flight=args.pinned), args.pinned))
             for name, speculate, tuner, in_flight in modes:
                 rows[name] = run_mode(client, texts, args.tokens, name, speculate, tuner, in_flight, sampler)
+            # Petals' routing (back to the entry after every stage), without speculation: what the issue's
+            # "x client hops" figures divide by
+            rows["hops"] = run_mode(client, texts, args.tokens, "hops", False, None, 1, sampler, route="hops")
         finally:
             sampler.stop.set()
             client.close()
@@ -187,6 +191,8 @@ def main() -> None:
            "plain_pass_s": round(1 / plain, 4),
            "tree_shape": rows["tree"]["reports"][-1][0].as_json()["spec"], "speedup_tree": round(tree / plain, 2),
            "speedup_chain": round(rows["chain"]["tokens_per_s"] / plain, 2),
+           "hops_tokens_per_s": rows["hops"]["tokens_per_s"],
+           "best_over_hops": round(max(tree, piped) / rows["hops"]["tokens_per_s"], 2),
            "modes": {name: public(r) for name, r in rows.items()},
            "draft": args.draft, "unknown_dialers": emulated.emu.unknown_dialers, "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(row) if args.json else "\n".join(f"{k:28} {v}" for k, v in row.items()))
