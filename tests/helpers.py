@@ -127,32 +127,28 @@ def start_contributors(procs: list, model, n: int, max_memory: int, env: dict, t
     bootstrap (or all joining `join`); each is added to `procs` as it starts (the caller kills them, even
     after a failure here); `extra_env[i]`: more environment for the i-th; `logs`: a folder for their logs
     (`node<i>.log`, INFO). Returns (peer id -> process, in the order started; the bootstrap address).
-    All start at once, side by side (each spends seconds importing torch): the bootstrap's key and port are
-    chosen here, as `swarm --local` does."""
+    Those joining a bootstrap start at once, side by side (each spends seconds importing torch)."""
     import subprocess
     import sys
 
-    from beeswarm.contributor.local import free_port
-    from beeswarm.p2p import identity
-
-    def start(i: int, boot: str | None, port: int = 0, more: dict | None = None):
+    def start(i: int, boot: str | None):
         cmd = [sys.executable, "-m", "beeswarm", *(["--log-level", "INFO"] if logs else []), "contribute",
-               "--headless", "--model", str(model), "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory",
+               "--headless", "--model", str(model), "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory",
                str(max_memory), "--heartbeat", "1", *(["--join", boot] if boot else [])]
         with open(logs / f"node{i}.log", "w") if logs else open(os.devnull, "w") as err:  # the child keeps a copy
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**env, **(extra_env or {}).get(i, {}), **(more or {}),
+                                    env={**env, **(extra_env or {}).get(i, {}),
                                          "BEESWARM_CONFIG_DIR": str(tmp_path / f"node{i}")})
         procs.append(proc)
         return proc, lines_of(proc)
 
-    first, boot, started = len(procs), join, []
+    peers, first, boot = {}, len(procs), join
     if boot is None:
-        key, port = identity.ephemeral(), free_port()
-        started.append(start(first, None, port, {identity.ENV: identity.encoded(key)}))
-        boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{key.peer_id}"
-    started += [start(i, boot) for i in range(first + len(started), first + n)]
-    peers = {}
+        proc, q = start(first, None)
+        peers[read_until(q, "peer ", 60)[0].split()[1]] = proc
+        boot = read_until(q, "addr ", 10)[0].split()[1]
+        first += 1
+    started = [start(i, boot) for i in range(first, len(procs) + n - len(peers))]
     for proc, q in started:
         peers[read_until(q, "peer ", 90)[0].split()[1]] = proc
     return peers, boot
