@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_tinycode import read, stdlib_files
+from train_tinycode import greedy_agreement, lr_scale, read, stdlib_files
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from beeswarm.generation.sampling import SamplingParams
@@ -75,9 +74,8 @@ def distil(target, draft, data: torch.Tensor, steps: int, batch: int, lr: float,
     gen = torch.Generator().manual_seed(seed)
     warmup, t0 = 20, time.time()
     for step in range(steps):
-        scale = min(1.0, (step + 1) / warmup) * max(0.05, 0.5 * (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
-            g["lr"] = lr * scale
+            g["lr"] = lr * lr_scale(step, steps, warmup)
         starts = torch.randint(0, len(data) - SEQ, (batch,), generator=gen)
         x = torch.stack([data[s:s + SEQ] for s in starts.tolist()])
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -92,14 +90,6 @@ def distil(target, draft, data: torch.Tensor, steps: int, batch: int, lr: float,
         if (step + 1) % 25 == 0 or step + 1 == steps:
             print(f"[distil] step {step + 1}/{steps} KL {loss.item():.4f} ({time.time() - t0:.0f}s)", flush=True)
     draft.eval()
-
-
-@torch.no_grad()
-def greedy_agreement(target, draft, data: torch.Tensor, samples: int = 64, ctx: int = 128) -> float:
-    """Share of positions where the draft's argmax equals the target's, teacher-forced on held-out text."""
-    n = len(data) - ctx - 1
-    x = torch.stack([data[i * (n // samples):i * (n // samples) + ctx] for i in range(samples)])
-    return (target(input_ids=x).logits.argmax(-1) == draft(input_ids=x).logits.argmax(-1)).float().mean().item()
 
 
 @torch.no_grad()

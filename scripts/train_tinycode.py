@@ -84,6 +84,11 @@ def val_loss(model, data: torch.Tensor, batches: int = 40, batch: int = 8) -> fl
     return sum(losses) / len(losses)
 
 
+def lr_scale(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 5% of the peak rate."""
+    return min(1.0, (step + 1) / warmup) * max(0.05, 0.5 * (1 + math.cos(math.pi * step / steps)))
+
+
 def train(name: str, shape: dict, data: torch.Tensor, steps: int, seed: int, lr: float,
           batch: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -95,10 +100,8 @@ def train(name: str, shape: dict, data: torch.Tensor, steps: int, seed: int, lr:
     gen = torch.Generator().manual_seed(seed)
     warmup, t0 = 50, time.time()
     for step in range(steps):  # transformers shifts the labels itself: labels are the inputs
-        # Linear warm-up, then cosine decay to 5% of the peak rate.
-        scale = min(1.0, (step + 1) / warmup) * max(0.05, 0.5 * (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
-            g["lr"] = lr * scale
+            g["lr"] = lr * lr_scale(step, steps, warmup)
         starts = torch.randint(0, len(data) - SEQ - 1, (batch,), generator=gen)
         x = torch.stack([data[s:s + SEQ + 1] for s in starts.tolist()])
         with torch.autocast("cpu", dtype=torch.bfloat16):  # ~1.9x faster than float32 on this CPU

@@ -52,7 +52,7 @@ class Child:
     lines: queue.Queue[str | None] = field(default_factory=queue.Queue)  # what the child printed
 
 
-def free_port() -> int:
+def _free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the first child listens on it a moment later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,7 +168,7 @@ class LocalSwarm:
         if not 1 <= self.n <= self.num_layers:
             raise LocalSwarmError(f"--local {self.n}: the model has {self.num_layers} layers; use 1..{self.num_layers}")
         sizes = budgets(self.model, self.n, device=self.device, quant=self.quant)
-        port = self.base_port or free_port()
+        port = self.base_port or _free_port()
         first = self._spawn(0, sizes[0], port=port)
         self.children.append(first)
         boot = f"{self.announce[0] if self.announce else f'/ip4/127.0.0.1/tcp/{port}'}/p2p/{self._key(0).peer_id}"
