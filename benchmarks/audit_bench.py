@@ -7,12 +7,16 @@ Sections (all by default):
   a replay alone, honest float32 on CPU (what the audit tolerance must clear).
 - detection: the fraction of generations (`--tokens` each) in which a stage misbehaving on a fraction f
   of its steps is caught at audit rate p, against the closed form 1 - (1 - p f)^steps.
-- caught: for each dishonest mode at the default rate, generations until the entry catches it.
+- caught: for each dishonest mode at the default rate, generations until the entry catches it, as a
+  newcomer (probation) and as a stage that starts lying after earning trust.
+- reveal: the bytes of a whole-session reveal (what a peer audit moves, stage to auditor) and the entry's
+  commitments to the auditor, measured on real hidden states and scaled to 4096 wide and 2k tokens.
 - throughput: tokens/s of 4 concurrent chats through a local swarm of 3 contributor processes at audit
-  rates 0, the default and 4x the default (rounds interleaved; medians).
+  rates 0, the default and 4x the default (rounds interleaved; medians), peer auditors recomputing (the
+  contributors), probation on (each round's entry is new; the stages are new in the first round).
 The in-process sections use real nodes on 127.0.0.1 and the `--model` checkpoint (tinycode by default).
 
-    python benchmarks/audit_bench.py [--sections cost tolerance detection caught throughput] [--json]
+    python benchmarks/audit_bench.py [--sections cost tolerance detection caught reveal throughput] [--json]
 """
 from __future__ import annotations
 
@@ -183,29 +187,83 @@ def detection(args) -> dict:
 
 
 def caught_after(args) -> dict:
-    """Generations until an entry auditing at the default rate catches each mode (median of trials)."""
+    """Generations until an entry auditing at the default rate catches each mode (median of trials): a newcomer
+    (a fresh key: probation audits its sessions whole), and a stage that lies only after earning trust (its
+    standing past probation: the per-step draws alone)."""
     out = {}
     direction = _token_direction(checkpoint.resolve(args.model), checkpoint_hidden(args.model))
     for mode in ("noise", "identity", "bias", "noise@0.25"):
         name, _, fraction = mode.partition("@")
         chain = Chain(args.model, Fault(name, float(fraction or 1), direction if name == "bias" else None))
-        counts = []
+        out[mode] = {}
         try:
-            for trial in range(args.caught_trials):
-                auditor = Auditor(chain.entry_node, chain.runtime_for, DEFAULT_RATE)
-                auditor._report = lambda evidence: None
-                pipe = chain.pipeline(auditor)
-                for n, prompt in enumerate(prompts(1000, seed=100 + trial), start=1):
-                    if auditor.settle([one_generation(pipe, prompt, args.tokens)]):
-                        counts.append(n)
-                        break
-                auditor.close()
-                pipe.close()
+            for who, standing in (("newcomer", 0), ("trusted", 100)):
+                counts = []
+                for trial in range(args.caught_trials):
+                    auditor = Auditor(chain.entry_node, chain.runtime_for, DEFAULT_RATE,
+                                      standing=lambda stage, s=standing: s)
+                    auditor._report = lambda evidence: None
+                    pipe = chain.pipeline(auditor)
+                    for n, prompt in enumerate(prompts(1000, seed=100 + trial), start=1):
+                        if auditor.settle([one_generation(pipe, prompt, args.tokens)]):
+                            counts.append(n)
+                            break
+                    auditor.close()
+                    pipe.close()
+                out[mode][who] = {"generations_until_caught": counts, "median": statistics.median(counts)}
+                print(json.dumps({mode: {who: out[mode][who]}}), file=sys.stderr, flush=True)
         finally:
             chain.close()
-        out[mode] = {"generations_until_caught": counts, "median": statistics.median(counts)}
-        print(json.dumps({mode: out[mode]}), file=sys.stderr, flush=True)
     return out
+
+
+def reveal_bytes(args) -> dict:
+    """What a peer audit of a whole session costs on the wire: the stage's reveal (its inputs and outputs, every
+    step, in the codec's lossless frames) to the auditor, and the commitments the entry hands the auditor. The
+    ratio is measured on the `--model`'s real hidden states of a `--reveal-tokens` session (a prefill of 64
+    tokens, then one decode step a token) and applied to a 4096-wide bf16 model."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import beeswarm
+    from beeswarm.audit.evidence import reveal
+    from beeswarm.audit.retention import LoggedStep
+
+    entry = EntryModel.load(args.model, "float32", "cpu")
+    before, span = even_splits(entry.config.num_hidden_layers, 3)[:2]  # the middle stage's reveal
+    runtimes = [SpanRuntime.load(args.model, s, "float32", "cpu") for s in (before, span)]
+    tokenizer = AutoTokenizer.from_pretrained(str(entry.folder))
+    text = "".join(p.read_text() for p in sorted(Path(beeswarm.__file__).parent.rglob("*.py")))
+    ids = (tokenizer.encode(text) or [1]) * args.reveal_tokens
+    ids = ids[:args.reveal_tokens]  # source code, as tinycode writes it
+    steps, session, start, prefill = [], "s", 0, 64
+    for r in runtimes:
+        r.open(session, args.reveal_tokens)
+    with torch.inference_mode():
+        for step, chunk in enumerate([ids[:prefill]] + [[t] for t in ids[prefill:]]):
+            x = runtimes[0].step_one(session, entry.embed(torch.tensor(chunk)), start)
+            y = runtimes[1].step_one(session, x, start)
+            steps.append(LoggedStep(step, start, None, None, x.to(torch.bfloat16), y.to(torch.bfloat16)))
+            start += len(chunk)
+    signer = identity.ephemeral()
+    t0 = time.perf_counter()
+    revealed = reveal(signer.key_pair, signer.peer_id, "entry", session, steps)
+    encode_s = time.perf_counter() - t0
+    wire = len(encode(revealed))
+    raw = sum(s.input.numel() + s.output.numel() for s in steps) * 2
+    ratio = wire / raw
+    commit = len(encode(Commit(stage=signer.peer_id, step=1, span=span, context=b"\0" * 16, input=b"\0" * 16,
+                               output=b"\0" * 16, sig=b"\0" * 64)))
+    tokens, wide = 2048, 4096
+    raw_4096 = 2 * tokens * wide * 2
+    decode_steps = tokens - prefill + 1
+    return {"model_hidden": entry.config.hidden_size, "tokens": args.reveal_tokens, "steps": len(steps),
+            "wire_bytes": wire, "raw_bf16_bytes": raw, "ratio": round(ratio, 3), "encode_s": round(encode_s, 3),
+            "at_4096_wide_2048_tokens": {
+                "reveal_raw_bytes": raw_4096, "reveal_wire_bytes": round(raw_4096 * ratio),
+                "reveal_s_at_100_mbit": round(raw_4096 * ratio * 8 / 100e6, 2),
+                "commitments_to_auditor_bytes": decode_steps * commit}}
 
 
 def throughput(args) -> dict:
@@ -215,6 +273,7 @@ def throughput(args) -> dict:
     rates = [0.0, DEFAULT_RATE, 4 * DEFAULT_RATE]
     figures: dict[float, list[float]] = {r: [] for r in rates}
     audits: dict[float, int] = dict.fromkeys(rates, 0)
+    unchecked: dict[float, int] = dict.fromkeys(rates, 0)
     try:
         bootstrap = swarm.start()
         swarm.wait_ready()
@@ -224,10 +283,7 @@ def throughput(args) -> dict:
                 client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=LOCAL,
                                             options=ClientOptions(audit_rate=rate)).start()
                 try:
-                    route = client.route(60).stages
-                    if rate:
-                        for stage in route:  # load the layers to recompute with before the clock starts
-                            client._audit_runtime(stage.span)
+                    client.route(60)
                     client.generate([1, 2, 3], 4, GREEDY)
                     tokens = []
                     stop = time.monotonic() + args.seconds
@@ -246,6 +302,7 @@ def throughput(args) -> dict:
                         t.join()
                     figures[rate].append(sum(tokens) / (time.perf_counter() - t0))
                     audits[rate] += client.audits.run
+                    unchecked[rate] += client.audits.unchecked
                 finally:
                     client.close()
                 print(json.dumps({"rate": rate, "tokens_per_s": round(figures[rate][-1], 2)}), file=sys.stderr,
@@ -256,12 +313,12 @@ def throughput(args) -> dict:
     # the machine drifts between rounds: compare each rate with rate 0 of the same round
     return {str(r): {"tokens_per_s": round(statistics.median(v), 2), "runs": [round(x, 2) for x in v],
                      "vs_no_audits_same_round": round(statistics.median(x / b for x, b in zip(v, base)), 3),
-                     "audits_run": audits[r]}
+                     "audits_run": audits[r], "unchecked": unchecked[r]}
             for r, v in figures.items()}
 
 
 SECTIONS = {"cost": cost, "tolerance": tolerance, "detection": detection, "caught": caught_after,
-            "throughput": throughput}
+            "reveal": reveal_bytes, "throughput": throughput}
 
 
 def main() -> None:
@@ -271,6 +328,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per generation")
     parser.add_argument("--trials", type=int, default=200, help="generations per detection cell")
     parser.add_argument("--caught-trials", type=int, default=5)
+    parser.add_argument("--reveal-tokens", type=int, default=2048)
     parser.add_argument("--seconds", type=float, default=30.0, help="per throughput run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from beeswarm.contributor.local import budgets
-from helpers import reference_greedy, serve, start_contributors, wait_for
+from helpers import past_probation, reference_greedy, serve, start_contributors, wait_for
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
@@ -206,6 +206,8 @@ def test_dropped_streams_free_their_sessions_and_a_ninth_request_gets_429(served
 def test_a_stream_survives_a_stage_killed_mid_answer(served):
     """Last in the module: it kills a contributor (its replica takes over)."""
     expected = served.reference(PROMPT, 40)
+    wait_for(lambda: past_probation(served.health, lambda: served.client.completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=4)), 120, "a route past probation")  # to stream as it goes
     victim = served.health()["route"][-1]["peer"]
     pieces, extras = [], None
     for chunk in served.client.chat.completions.create(model=served.model, messages=[{"role": "user",

@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 
+import httpx
 import msgspec
 import pytest
 import torch
@@ -21,6 +22,7 @@ from beeswarm.audit import DEFAULT_RATE, commitments
 from beeswarm.audit.auditor import Auditor
 from beeswarm.audit.evidence import judge, sign_evidence
 from beeswarm.audit.faults import ENV, Fault, _token_direction
+from beeswarm.audit.peer import PeerAuditService, sign_commission
 from beeswarm.audit.probation import PROBATION_PASSES
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.client.remote import Inbox, RemotePipeline, SentStep, SessionSteps, StageFailed
@@ -30,7 +32,7 @@ from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import ProtocolError, RemoteError, encode, ids
-from beeswarm.protocol.audit import Evidence, Reveal, Revealed
+from beeswarm.protocol.audit import Commission, Evidence, Reveal, Revealed
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.session import Open, Opened
 from beeswarm.protocol.step import Result, Step
@@ -38,7 +40,7 @@ from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.speculate import speculative_generate
 from beeswarm.spec.tuner import Tuner
-from helpers import reference_greedy, start_contributors, wait_for
+from helpers import reference_greedy, serve, start_contributors, wait_for
 from tiny_checkpoints import write_tiny_checkpoint
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
@@ -164,6 +166,69 @@ def test_honest_newcomers_pass_probation_then_are_audited_less_and_the_swarms_st
     assert auditor.settle([run(pipe, PROMPTS[0], 6)[0]]) == set() and auditor.counts.run == 0
 
 
+def peer_auditors(mesh, folder, stages, entry_node, count: int) -> list[PeerAuditService]:
+    """`count` contributors' audit services (their own copies of the layers), linked to the stages and the entry."""
+    services = []
+    for node in mesh(count, members=False, bootstrap=[]):
+        for peer in (*stages, entry_node):
+            node.connect(peer.addrs[0])
+        service = PeerAuditService(node, Layers(folder))
+        service.start()
+        services.append(service)
+    return services
+
+
+def test_an_entry_without_layers_audits_through_peers_and_a_lax_auditor_is_caught_by_a_second(mesh, tiny_llama):
+    """The entry recomputes nothing: it commissions peer auditors. The first, lax, passes the noisy newcomer without
+    checking; probation has a second auditor check it, which catches the stage; the lax auditor's signed pass is
+    then evidence against it. A third party upholds both."""
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, Fault("noise"), rate=DEFAULT_RATE)
+    lax, honest = peer_auditors(mesh, tiny_llama, stages, pipe.node, 2)
+    lax.lax = True
+    auditor.runtime_for = None  # as `chat` and `serve` by default: no span loaded here
+    auditor.auditors = lambda span, stage: [[lax.node.peer_id], [honest.node.peer_id]]  # the lax one drawn first
+    cheat = stages[1].peer_id
+    session, _ = run(pipe, PROMPTS[1], 12)
+    assert auditor.settle([session]) == {cheat}
+    assert auditor.counts.failed == 1 and auditor.counts.auditors_caught == 1 and auditor.counts.unchecked == 0
+    assert lax.audits >= 1 and honest.audits >= 1  # the honest stages were audited by peers too, and passed
+    assert auditor.counts.passed >= 2
+    against = {ev.accused: ev for ev in auditor.sent}
+    assert against[cheat].accuser == honest.node.peer_id and against[cheat].session_entry == pipe.node.peer_id
+    upheld = judge(against[cheat], Layers(tiny_llama))
+    assert upheld.upheld and upheld.excluded == cheat
+    false_pass = against[lax.node.peer_id]
+    assert false_pass.kind == "false_pass" and false_pass.verdict.passed
+    verdict = judge(false_pass, Layers(tiny_llama))
+    assert verdict.upheld and verdict.excluded == lax.node.peer_id and "false_pass" in verdict.reason
+    # the same pass against an honest stage's commitments convicts its accuser instead
+    honest_stage = stages[0].peer_id
+    honest_commits = tuple(auditor._commits.get(session, {}).get(honest_stage, ()))
+    wrongly = msgspec.structs.replace(false_pass, commits=honest_commits)
+    assert judge(sign_evidence(pipe.node.identity.key_pair, wrongly), Layers(tiny_llama)).excluded == pipe.node.peer_id
+
+
+def test_a_stage_reveals_to_an_auditor_only_with_its_entrys_signed_commission(mesh, tiny_llama):
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=0.0)
+    (service,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1)
+    session, _ = run(pipe, PROMPTS[0], 4)
+    stage = stages[1].peer_id
+    replies = reply_decoder(Revealed, limit=1 << 26)
+
+    def ask(commission) -> Revealed:
+        return service.node.request(stage, ids.AUDIT, Reveal(session=session, step=0, commission=commission), replies)
+
+    signed = sign_commission(pipe.node.identity.key_pair, Commission(
+        entry=pipe.node.peer_id, auditor=service.node.peer_id, stage=stage, session=session, step=0))
+    assert ask(signed).stage == stage
+    forged = sign_commission(service.node.identity.key_pair, msgspec.structs.replace(signed, sig=b""))
+    for bad in (forged, msgspec.structs.replace(signed, step=1), msgspec.structs.replace(signed, auditor=stage)):
+        with pytest.raises(RemoteError, match="commission"):
+            ask(bad)
+    with pytest.raises(RemoteError, match="only a session's entry"):
+        service.node.request(stage, ids.AUDIT, Reveal(session=session, step=0, entry=pipe.node.peer_id), replies)
+
+
 def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny_llama):
     pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=0.0)
     honest = stages[1].peer_id
@@ -278,9 +343,10 @@ def status(boot: str, env: dict) -> dict:
 @pytest.mark.slow
 def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(tiny_models, tmp_path):
     """Three contributor processes (new keys all), one returning noise on half its steps, and a spare that joins
-    once they serve. A chat at the default audit rate (probation audits a newcomer's sessions whole) gets
-    transformers' greedy tokens, reports the failed audit, and the coordinator's plan excludes the cheat with
-    the reason, counts the honest stages' passed audits and credits their work, and the cheat forfeits."""
+    once they serve. A stream from `serve` at the default audit rate (probation audits a newcomer's sessions
+    whole, by peer auditors) streams transformers' greedy text and nothing else, reports the failed audit, and
+    the coordinator's plan excludes the cheat with the reason, counts the honest stages' passed audits and credits
+    their work, and the cheat forfeits."""
     model = str(tiny_models["llama"])
     env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("BEESWARM_IDENTITY", None)
@@ -296,15 +362,20 @@ def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_sta
         start_contributors(procs, model, 1, budget, env, tmp_path, join=boot)
         prompt = "def f(x):"
         tokenizer = AutoTokenizer.from_pretrained(model)
-        out = subprocess.run([sys.executable, "-m", "beeswarm", "chat", "--join", boot, "--model", model, "--greedy",
-                              "--no-spec", "--json", "--max-new-tokens", "16",
-                              "--heartbeat", "1", "--prompt", prompt],
-                             capture_output=True, text=True, timeout=240, env=env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        reply = json.loads(out.stdout)
+        with open(tmp_path / "serve.log", "w") as log:
+            proc, url = serve(model, boot, env, log)
+        procs.append(proc)
+        # streamed, as the web app does: the text of tokens through a stage on probation waits for its audits
+        with httpx.stream("POST", url + "/completions", timeout=240, json={
+                "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert not [e for e in events if "error" in e], events
         expected = reference_greedy(model, tokenizer.encode(prompt), 16)
-        assert reply["tokens"] == expected[:len(reply["tokens"])] and len(reply["tokens"]) == 16
+        assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == \
+            tokenizer.decode(expected, skip_special_tokens=True)  # never a lying token, nothing taken back
+        reply = next(e["beeswarm"] for e in events if "beeswarm" in e)
         assert reply["audits"]["failed"] >= 1 and reply["recoveries"] >= 1, reply
+        assert reply["audits"]["unchecked"] == 0  # the entry loads no layers: contributors audited
         assert cheat not in [s["peer"] for s in reply["route"]]
         sentenced = wait_for(lambda: [e for e in status(boot, env)["plan"]["excluded"] if e["until"]], 60,
                              "the coordinator's sentence in the plan")

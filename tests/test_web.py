@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from beeswarm.contributor.local import budgets
-from helpers import serve, start_contributors, wait_for
+from helpers import past_probation, serve, start_contributors, wait_for
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
@@ -97,7 +97,10 @@ def test_the_chat_asks_for_the_key_then_streams_the_apis_greedy_reply_and_stops_
     assert "12 tokens" in meta and "tokens/s" in meta and "first token" in meta and "route " in meta, meta
     page.screenshot(path=ARTIFACTS / "web-chat.png", full_page=True)
 
-    # A second turn carries the first; a long reply stops on Escape, keeping what came.
+    # A second turn carries the first; a long reply stops on Escape, keeping what came (it streams as it goes
+    # once the route's stages are past probation).
+    wait_for(lambda: past_probation(lambda: http.get("/health").json(), lambda: api_greedy(
+        http, model, [{"role": "user", "content": PROMPT}], 4)), 120, "a route past probation")
     page.get_by_label("Max tokens").fill("400")  # of the tiny model's 512-token context
     page.get_by_label("Message").fill("and again")
     page.get_by_label("Message").press("Enter")

@@ -120,30 +120,43 @@ class Completer:
             raise no_route(e) from None
 
     def run(self, job: Job, on_text: Callable[[str | Rewind], None]) -> Outcome:
-        """Generate `job`, passing text to `on_text` as it becomes final (stop strings held back), or a
-        `Rewind` when an audit took text back."""
+        """Generate `job`, passing text to `on_text` as it becomes final (stop strings held back, and the text of
+        tokens whose audits have not settled: a stage on probation), or a `Rewind` when an audit took back text
+        already passed."""
         stream, stop = TextStream(self.tokenizer), StopText(job.stops)
         eos = set() if job.ignore_eos else set(stop_ids(self.tokenizer))
         audits_before = self.client.audits.as_json()
+        held: list[tuple[int, str]] = []  # (token index, its text) not final yet
+        passed = 0  # tokens whose text went to on_text
+
+        def on_settled(n: int) -> None:
+            nonlocal held, passed
+            for _, text in (h for h in held if h[0] < n):
+                on_text(text)
+            held, passed = [h for h in held if h[0] >= n], max(passed, n)
 
         def on_rewind(keep: int) -> None:
-            nonlocal stream, stop
+            nonlocal stream, stop, held, passed
             tokens = stream.tokens[:keep]
             stream, stop = TextStream(self.tokenizer), StopText(job.stops)
-            on_text(Rewind("".join(stop.push(stream.push(t)) for t in tokens)))
+            texts = [stop.push(stream.push(t)) for t in tokens]
+            if keep < passed:
+                on_text(Rewind("".join(texts)))
+            passed = min(passed, keep)
+            held = [(i, text) for i, text in enumerate(texts) if i >= passed and text]
 
         def on_token(token: int) -> None:
             if job.cancelled.is_set():
                 raise Cancelled
             text = stop.push(stream.push(token))
             if text:
-                on_text(text)
+                held.append((len(stream.tokens) - 1, text))
             if stop.hit:
                 raise EndGeneration
 
         try:
             result = self.client.generate(job.prompt_ids, job.max_tokens, job.params, list(eos), on_token,
-                                          route_timeout=ROUTE_WAIT_S, on_rewind=on_rewind)
+                                          route_timeout=ROUTE_WAIT_S, on_rewind=on_rewind, on_settled=on_settled)
         except NoRoute as e:
             raise no_route(e) from None
         except StageBusy as e:
@@ -151,6 +164,7 @@ class Completer:
         except StageFailed as e:
             raise ApiError(503, f"the swarm kept failing: {e}", code="swarm_failed",
                            retry_after=int(ROUTE_WAIT_S)) from None
+        on_settled(len(stream.tokens))  # it returned: its audits settled
         rest = stop.push(stream.flush()) + stop.flush()
         if rest:
             on_text(rest)

@@ -1,6 +1,8 @@
 """The entry's audits: after each step it draws, with a secret random source, which stages' steps to
-check; a worker thread asks each drawn stage to reveal the session up to that step, examines the reveal
-against the commitments the entry holds and recomputes it. A stage caught is banned at once (`on_caught`)
+check; a worker thread commissions a peer auditor (`audit.peer`, drawn the same way) to have each drawn
+stage reveal the session up to that step to it, examine the reveal against the commitments the entry
+holds and recompute it, and checks some of its passes with a second auditor; or, told to
+(`runtime_for`), asks for the reveal and recomputes here. A stage caught is banned at once (`on_caught`)
 and the signed evidence goes to the coordinator, which checks it and excludes the stage swarm-wide.
 
 Audits run off the critical path: the generation goes on while they run, and the stages cannot tell an
@@ -22,12 +24,24 @@ from dataclasses import asdict, dataclass
 import torch
 
 from beeswarm.audit import DEFAULT_RATE, probation
-from beeswarm.audit.evidence import Finding, RevealRefused, examine, sign_evidence
+from beeswarm.audit.evidence import CannotRecompute, Finding, RevealRefused, examine, sign_evidence
+from beeswarm.audit.peer import ask_peer, sign_commission
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import RemoteError, Span, encode, ids
-from beeswarm.protocol.audit import Credited, Evidence, Passed, Reveal, Revealed, Verdict
+from beeswarm.protocol import ProtocolError, RemoteError, Span, encode, ids
+from beeswarm.protocol.audit import (
+    AuditAsk,
+    Audited,
+    AuditVerdict,
+    Commission,
+    Credited,
+    Evidence,
+    Passed,
+    Reveal,
+    Revealed,
+    Verdict,
+)
 from beeswarm.protocol.step import Commit
 from beeswarm.shard.span import SpanRuntime
 
@@ -36,7 +50,10 @@ log = logging.getLogger(__name__)
 REVEAL_TIMEOUT_S = 30.0
 MAX_KNOWN = 4096  # stages whose passed audits this entry counts
 VOUCH_DRAIN_S = 3.0
-SETTLE_S = 10.0  # the longest a generation waits for its audits; later verdicts still ban and report
+SETTLE_S = 30.0  # the longest a generation waits for its audits; later verdicts still ban and report
+PEER_AUDIT_S = 120.0  # a peer auditor's answer (it fetches the reveal and recomputes)
+PEER_TRIES = 3  # auditors asked before an audit is given up as unchecked
+SECOND_OPINION = 0.1  # of peer auditors' passes checked again (every one while the stage is on probation)
 
 
 @dataclass
@@ -45,6 +62,8 @@ class AuditCounts:
     passed: int = 0
     failed: int = 0  # caught: evidence sent
     refused: int = 0  # no checkable reveal: banned here, nobody else told
+    unchecked: int = 0  # no auditor could recompute it (nor this entry): the stage is not blamed
+    auditors_caught: int = 0  # peer auditors that passed a stage a second opinion caught
 
     def as_json(self) -> dict[str, int]:
         return asdict(self)
@@ -58,20 +77,26 @@ class _Job:
 
 
 class Auditor:
-    def __init__(self, node: Node, runtime_for: Callable[[Span], SpanRuntime], rate: float = DEFAULT_RATE,
+    def __init__(self, node: Node, runtime_for: Callable[[Span], SpanRuntime] | None, rate: float = DEFAULT_RATE,
                  on_caught: Callable[[str, str], None] = lambda peer, why: None,
                  coordinator: Callable[[], str | None] = lambda: None, rng: random.Random | None = None,
                  report: Callable[[Evidence], None] | None = None,
                  standing: Callable[[str], int] = lambda stage: 0,
-                 vouch: Callable[[str, Commit], None] | None = None):
-        """`runtime_for(span)`: the span's layers to recompute with (loaded on first use); `on_caught(peer,
-        why)`: a stage failed an audit or refused one; `coordinator()`: whom to send evidence to; `report`:
-        what is done with signed evidence (by default, it goes to the coordinator and its verdict is kept);
-        `standing(stage)`: the audits the swarm knows it passed (the plan's); `vouch(session, commit)`: what is
-        done with a pass (by default, it goes to the coordinator)."""
+                 vouch: Callable[[str, Commit], None] | None = None,
+                 auditors: Callable[[Span, str], list[list[str]]] = lambda span, stage: [],
+                 second_opinion: float = SECOND_OPINION):
+        """`runtime_for(span)`: the span's layers to recompute with here (loaded on first use), or None: peer
+        auditors recompute; `on_caught(peer, why)`: a stage failed an audit or refused one; `coordinator()`: whom
+        to send evidence to; `report`: what is done with signed evidence (by default, it goes to the coordinator
+        and its verdict is kept); `standing(stage)`: the audits the swarm knows it passed (the plan's);
+        `vouch(session, commit)`: what is done with a pass (by default, it goes to the coordinator);
+        `auditors(span, stage)`: the peers that may audit `stage` on `span`, in tiers (an auditor is drawn at
+        random from the first tier that answers); `second_opinion`: the chance a peer auditor's pass is checked
+        by another one, always for a stage on probation."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"the audit rate is a probability, got {rate}")
         self.node, self.runtime_for, self.rate = node, runtime_for, rate
+        self.auditors, self.second_opinion = auditors, second_opinion
         self.on_caught, self.coordinator = on_caught, coordinator
         self._report = report or self._send_to_coordinator
         self.standing, self._vouch = standing, vouch or self._vouch_to_coordinator
@@ -132,6 +157,15 @@ class Auditor:
             self._drop_done()
             return caught
 
+    def on_probation(self, stage: str) -> bool:
+        """Whether every session through `stage` is audited whole when it ends (then its tokens wait for it)."""
+        return self.passes(stage) < probation.PROBATION_PASSES
+
+    def passes(self, stage: str) -> int:
+        """The audits `stage` passed, as the swarm or this entry counts them (the larger)."""
+        with self._cond:
+            return max(self.passed.get(stage, 0), self.standing(stage))
+
     def _draw_whole(self, sessions: Sequence[str]) -> None:
         """Draw, for each stage of each session, whether to audit the session whole (`probation`)."""
         drawn = []
@@ -141,8 +175,7 @@ class Auditor:
                 for stage, commits in self._commits.get(session, {}).items():
                     if not commits or stage in caught or stage in self._drawn_whole[session]:
                         continue
-                    passed = max(self.passed.get(stage, 0), self.standing(stage))
-                    if self.rng.random() < probation.session_audit_chance(passed, self.rate):
+                    if self.rng.random() < probation.session_audit_chance(self.passes(stage), self.rate):
                         self._drawn_whole[session].add(stage)
                         drawn.append(_Job(session, stage, max(c.step for c in commits)))
                         self._pending[session] += 1
@@ -182,33 +215,114 @@ class Auditor:
         if job.stage in {p for caught in self._caught.values() for p in caught}:
             return  # caught already
         self.counts.run += 1
+        if self.runtime_for is not None:
+            self._recompute_here(job, commits, unobserved)
+            return
+        ask = self._ask(job, commits, unobserved)
+        tiers = [[p for p in tier if p not in (job.stage, self.node.peer_id) and not self.node.bans.is_banned(p)]
+                 for tier in self.auditors(commits[0].span, job.stage)]
+        first = self._peer_audit(ask, tiers)
+        if first is None:
+            self.counts.unchecked += 1
+            log.warning("no auditor could check %s's step %d (layers %s): left unchecked", job.stage, job.step,
+                        commits[0].span)
+            return
+        auditor, answer = first
+        if not answer.verdict.passed:
+            self._failed(job, answer.evidence, f"auditor {auditor}")
+            return
+        if self.rng.random() < (1.0 if self.on_probation(job.stage) else self.second_opinion):
+            others = [[p for p in tier if p != auditor] for tier in tiers]
+            second = self._peer_audit(ask, others)
+            if second is not None and not second[1].verdict.passed:
+                evidence = second[1].evidence
+                self._failed(job, evidence, f"auditor {second[0]}, after {auditor} passed it")
+                if evidence is not None and evidence.kind == "wrong":
+                    self._false_pass(auditor, answer.verdict, tuple(commits), evidence)
+                return
+        self._passed(job, commits)
+
+    def _ask(self, job: _Job, commits: list[Commit], unobserved: frozenset[int]) -> Callable[[str], AuditAsk]:
+        """The request to an auditor: the entry's signed commission to it, and the commitments it holds."""
+        def to(auditor: str) -> AuditAsk:
+            commission = sign_commission(self.node.identity.key_pair, Commission(
+                entry=self.node.peer_id, auditor=auditor, stage=job.stage, session=job.session, step=job.step))
+            return AuditAsk(commission=commission, commits=tuple(commits), unobserved=tuple(sorted(unobserved)))
+        return to
+
+    def _peer_audit(self, ask: Callable[[str], AuditAsk], tiers: list[list[str]]) -> tuple[str, Audited] | None:
+        """(auditor, its answer) from an auditor drawn at random, tier by tier, up to PEER_TRIES asked."""
+        tried = 0
+        for tier in tiers:
+            tier = list(tier)
+            self.rng.shuffle(tier)
+            for auditor in tier:
+                if tried == PEER_TRIES:
+                    return None
+                tried += 1
+                try:
+                    return auditor, ask_peer(self.node, auditor, ask(auditor), PEER_AUDIT_S)
+                except ProtocolError as e:
+                    self.node.bans.strike(auditor, str(e), severe=True)
+                    log.warning("auditor %s: %s", auditor, e)
+                except (RemoteError, NodeError, TimeoutError) as e:
+                    log.info("auditor %s could not audit: %s", auditor, e)
+        return None
+
+    def _recompute_here(self, job: _Job, commits: list[Commit], unobserved: frozenset[int]) -> None:
+        assert self.runtime_for is not None
         try:
             revealed = self.node.request(job.stage, ids.AUDIT, Reveal(session=job.session, step=job.step),
                                          self._replies, timeout=REVEAL_TIMEOUT_S)
             with torch.inference_mode():
                 finding = examine(self.node.peer_id, commits, revealed, self.runtime_for,
-                                  self.node.config.max_tensor_bytes, complete=True,
-                                  unobserved=unobserved)
+                                  self.node.config.max_tensor_bytes, complete=True, unobserved=unobserved)
+        except CannotRecompute as e:
+            self.counts.unchecked += 1
+            log.warning("cannot check %s's step %d here: %s", job.stage, job.step, e)
+            return
         except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
-            self.counts.refused += 1
-            self._caught_in(job, f"refused an audit of step {job.step}: {e}")
-            self._report(sign_evidence(self.node.identity.key_pair, Evidence(
-                kind="refused", accused=job.stage, accuser=self.node.peer_id, session=job.session,
-                span=commits[0].span, commits=tuple(commits), detail=str(e)[:500])))
+            self._failed(job, Evidence(kind="refused", accused=job.stage, accuser=self.node.peer_id,
+                                       session=job.session, span=commits[0].span, commits=tuple(commits),
+                                       detail=str(e)[:500]), "this entry")
             return
         if finding is None:
-            self.counts.passed += 1
-            log.debug("audit of %s step %d passed", job.stage, job.step)
-            with self._cond:
-                self.passed[job.stage] = self.passed.get(job.stage, 0) + 1
-                if len(self.passed) > MAX_KNOWN:  # the least trusted are audited as newcomers again
-                    del self.passed[min(self.passed, key=self.passed.__getitem__)]
-            self._vouch(job.session, commits[-1])
+            self._passed(job, commits)
             return
-        self.counts.failed += 1
-        self._caught_in(job, f"failed an audit: {finding.detail}")
-        self._report(sign_evidence(self.node.identity.key_pair, _evidence(job, self.node.peer_id, commits, revealed,
-                                                                          finding)))
+        self._failed(job, _evidence(job, self.node.peer_id, commits, revealed, finding), "this entry")
+
+    def _passed(self, job: _Job, commits: list[Commit]) -> None:
+        self.counts.passed += 1
+        log.debug("audit of %s step %d passed", job.stage, job.step)
+        with self._cond:
+            self.passed[job.stage] = self.passed.get(job.stage, 0) + 1
+            if len(self.passed) > MAX_KNOWN:  # the least trusted are audited as newcomers again
+                del self.passed[min(self.passed, key=self.passed.__getitem__)]
+        self._vouch(job.session, commits[-1])
+
+    def _failed(self, job: _Job, evidence: Evidence | None, by: str) -> None:
+        """The stage failed or refused an audit (`by` whom): caught here, the evidence to the coordinator (signed
+        here when this entry found it; a peer auditor's is signed by it)."""
+        assert evidence is not None, "a failed verdict comes with evidence (ask_peer checks it)"
+        if evidence.kind == "refused":
+            self.counts.refused += 1
+        else:
+            self.counts.failed += 1
+        self._caught_in(job, f"{'refused' if evidence.kind == 'refused' else 'failed'} an audit of step {job.step} "
+                             f"({by}): {evidence.detail}")
+        if evidence.accuser == self.node.peer_id:
+            evidence = sign_evidence(self.node.identity.key_pair, evidence)
+        self._report(evidence)
+
+    def _false_pass(self, auditor: str, verdict: AuditVerdict, commits: tuple[Commit, ...], caught: Evidence) -> None:
+        """`auditor` passed what a second auditor's evidence shows wrong: evidence against it, its own signed pass."""
+        self.counts.auditors_caught += 1
+        why = f"passed {verdict.stage}'s step {verdict.step}, which recomputes wrong"
+        log.warning("auditor %s %s", auditor, why)
+        self.node.bans.strike(auditor, why, severe=True)
+        self._report(sign_evidence(self.node.identity.key_pair, Evidence(
+            kind="false_pass", accused=auditor, accuser=self.node.peer_id, session=caught.session, span=caught.span,
+            commits=commits, revealed=caught.revealed, verdict=verdict, detail=why)))
 
     def _caught_in(self, job: _Job, why: str) -> None:
         log.warning("stage %s %s", job.stage, why)
@@ -240,7 +354,8 @@ class Auditor:
             log.warning("no coordinator to send the evidence against %s to", evidence.accused)
             return
         try:
-            verdict = self.node.request(coordinator, ids.EVIDENCE, evidence, self._verdicts, timeout=120.0)
+            verdict = self.node.request(coordinator, ids.EVIDENCE, evidence, self._verdicts, timeout=120.0,
+                                        limit=self.node.config.max_tensor_bytes)  # it carries the reveal
         except (RemoteError, NodeError, TimeoutError) as e:
             log.warning("the coordinator did not take the evidence against %s: %s", evidence.accused, e)
             return

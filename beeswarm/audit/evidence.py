@@ -19,7 +19,15 @@ from beeswarm.audit.replay import first_mismatch
 from beeswarm.audit.retention import LoggedStep
 from beeswarm.p2p.signatures import sign_bytes, verify_bytes
 from beeswarm.protocol import ProtocolError, Span, encode
-from beeswarm.protocol.audit import Evidence, EvidenceKind, Revealed, RevealedStep, reveal_body
+from beeswarm.protocol.audit import (
+    Evidence,
+    EvidenceKind,
+    Revealed,
+    RevealedStep,
+    commits_digest,
+    reveal_body,
+    verdict_body,
+)
 from beeswarm.protocol.step import Commit
 from beeswarm.shard import tensors
 from beeswarm.shard.errors import SessionError, ShardError
@@ -32,6 +40,10 @@ AskReveal = Callable[[str, str, str, int], Revealed]
 
 class RevealRefused(Exception):
     """The stage did not reveal, or revealed something that cannot be checked."""
+
+
+class CannotRecompute(Exception):
+    """The checker cannot load or hold the span (not the stage's fault)."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +113,8 @@ def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_f
         raise ValueError("commitments of more than one span")
     try:
         runtime = runtime_for(commits[0].span)
-    except (ShardError, OSError, ValueError) as e:  # not a span of this model, or no memory for it here
-        raise RevealRefused(f"cannot recompute layers {commits[0].span}: {e}") from None
+    except (ShardError, OSError, ValueError, MemoryError) as e:  # not a span of this model, or no room for it here
+        raise CannotRecompute(f"cannot recompute layers {commits[0].span}: {e}") from None
     try:
         mismatch = first_mismatch(runtime, steps, set(by_step))
     except (SessionError, ProtocolError, codec.CodecError, RuntimeError) as e:  # inputs the span cannot run
@@ -118,6 +130,10 @@ def sign_evidence(key_pair: KeyPair, evidence: Evidence) -> Evidence:
         key_pair, encode(msgspec.structs.replace(evidence, sig=b""))))
 
 
+def evidence_signed(ev: Evidence) -> bool:
+    return verify_bytes(ev.accuser, encode(msgspec.structs.replace(ev, sig=b"")), ev.sig)
+
+
 @dataclass(frozen=True)
 class Judgement:
     excluded: str  # the accused, the accuser of a false accusation, or "" (nobody)
@@ -129,8 +145,9 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
           ask_reveal: AskReveal | None = None) -> Judgement:
     """Check an accusation from its signatures (and a recomputation for `wrong`; for `refused`, a reveal
     asked with `ask_reveal`). ProtocolError when the accuser did not sign it (then it is nobody's word)."""
-    if not verify_bytes(ev.accuser, encode(msgspec.structs.replace(ev, sig=b"")), ev.sig):
+    if not evidence_signed(ev):
         raise ProtocolError("the evidence is not signed by the accuser it names")
+    entry = ev.session_entry
 
     def false(why: str) -> Judgement:
         return Judgement(ev.accuser, f"false accusation against {ev.accused}: {why}", False)
@@ -138,8 +155,10 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
     def upheld(why: str) -> Judgement:
         return Judgement(ev.accused, f"audit ({ev.kind}): {why} (evidence from {ev.accuser})", True)
 
-    if not ev.commits or any(not commitments.verify(c, ev.accuser, ev.session) for c in ev.commits):
+    if not ev.commits or any(not commitments.verify(c, entry, ev.session) for c in ev.commits):
         return false("a commitment in the evidence does not verify")
+    if ev.kind == "false_pass":
+        return _judge_pass(ev, runtime_for, max_bytes, false)
     if ev.kind == "chain":
         if len(ev.commits) != 2:
             return false("a chain accusation holds two commitments")
@@ -155,7 +174,7 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
             any(c.stage != ev.accused or c.span != ev.span for c in ev.commits):
         return false("the reveal and commitments are not the accused's")
     try:
-        finding = examine(ev.accuser, ev.commits, ev.revealed, runtime_for, max_bytes)
+        finding = examine(entry, ev.commits, ev.revealed, runtime_for, max_bytes)
     except RevealRefused as e:
         return false(str(e))
     if finding is None:
@@ -171,11 +190,34 @@ def _judge_refusal(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int, ask_re
         raise ProtocolError("this checker cannot ask for reveals")
     step = max(c.step for c in ev.commits)
     try:
-        revealed = ask_reveal(ev.accused, ev.accuser, ev.session, step)
-        finding = examine(ev.accuser, ev.commits, revealed, runtime_for, max_bytes)
+        revealed = ask_reveal(ev.accused, ev.session_entry, ev.session, step)
+        finding = examine(ev.session_entry, ev.commits, revealed, runtime_for, max_bytes)
+    except CannotRecompute:
+        raise
     except Exception as e:  # noqa: BLE001 - no answer, a refusal, an unverifiable reveal: all a refusal
         return upheld(f"it refused a reveal of step {step} to its entry, and to the coordinator: {e}")
     if finding is not None:
         return upheld(finding.detail)
     return Judgement("", f"{ev.accused} revealed step {step} to the coordinator and it checks out "
-                         f"(the entry {ev.accuser} may have lost its link)", False)
+                         f"({ev.accuser} may have lost its link)", False)
+
+
+def _judge_pass(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int,
+                false: Callable[[str], Judgement]) -> Judgement:
+    """A peer auditor (the accused) signed a pass of commitments whose reveal recomputes wrong."""
+    v = ev.verdict
+    if v is None or v.auditor != ev.accused or not verify_bytes(v.auditor, verdict_body(v), v.sig) or \
+            not v.passed or (v.entry, v.session) != (ev.session_entry, ev.session) or \
+            v.commits != commits_digest(ev.commits):
+        return false("the evidence holds no pass signed by the accused over these commitments")
+    if ev.revealed is None or ev.revealed.stage != v.stage or ev.revealed.session != ev.session or \
+            any(c.stage != v.stage or c.span != ev.span for c in ev.commits):
+        return false("the reveal and commitments are not those of the stage it passed")
+    try:
+        finding = examine(ev.session_entry, ev.commits, ev.revealed, runtime_for, max_bytes)
+    except RevealRefused as e:
+        return false(str(e))
+    if finding is None or finding.kind != "wrong":  # only a reveal that matches the commitments proves them wrong
+        return false("the commitments it passed recompute as committed")
+    return Judgement(ev.accused, f"audit (false_pass): it passed {v.stage}'s step {v.step}, which recomputes "
+                                 f"wrong: {finding.detail} (evidence from {ev.accuser})", True)

@@ -84,6 +84,7 @@ class Request:
     route_timeout: float
     on_token: Callable[[int], None] | None = None
     on_rewind: Callable[[int], None] | None = None
+    on_settled: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -102,6 +103,8 @@ class Progress:
     recoveries: int = 0
     t0: float = field(default_factory=time.perf_counter)
     ttft: float | None = None
+    held: bool = False  # a route so far had a stage on probation: its tokens are final once its audits settle
+    settled: int = 0  # tokens `on_settled` was told are final
     last: float = field(init=False)  # the last token's time: closing the sessions after it is not generation time
 
     def __post_init__(self) -> None:
@@ -122,6 +125,16 @@ class Progress:
         self.tokens.append(token)
         if self.request.on_token:
             self.request.on_token(token)
+        if not self.held:
+            self.settle()
+
+    def settle(self) -> None:
+        """Every token so far is final: no audit of a stage on probation can take it back."""
+        self.held = False
+        if self.settled < len(self.tokens):
+            self.settled = len(self.tokens)
+            if self.request.on_settled:
+                self.request.on_settled(self.settled)
 
     def trusted(self, caught: AbstractSet[str]) -> int:
         """The tokens there were before the first route through a caught stage (all of them if none)."""
@@ -133,6 +146,7 @@ class Progress:
         if keep < len(self.tokens):
             log.warning("taking back %d tokens computed through %s", len(self.tokens) - keep, ", ".join(caught))
             del self.tokens[keep:]
+            self.settled = min(self.settled, keep)
             if keep == 0:
                 self.generator = new_generator(self.request.params)
             if self.request.on_rewind:
@@ -199,6 +213,7 @@ class ClientOptions:
     micro_batches: int | None = None  # chunks a prompt is cut into (None: the plan's figure)
     compress: bool = True  # False: raw frames on every hop (the baseline the benchmarks compare against)
     audit_rate: float = DEFAULT_RATE  # of each stage's steps audited (0: none)
+    audit_here: bool = False  # recompute audits on this machine (loading each span audited) instead of peers
     max_in_flight: int = MAX_IN_FLIGHT  # speculative steps in flight at once (the tuner picks up to this; 1: serial)
 
 
@@ -222,8 +237,8 @@ class SwarmClient:
         self._lock = threading.Lock()
         self._audit_runtimes: dict[tuple[Span, str], SpanRuntime] = {}
         self._audit_lock = threading.Lock()
-        self.auditor = Auditor(node, self._audit_runtime, self.options.audit_rate, self._caught,
-                               coordinator.leader, standing=self._standing) \
+        self.auditor = Auditor(node, self._audit_runtime if self.options.audit_here else None, self.options.audit_rate,
+                               self._caught, coordinator.leader, standing=self._standing, auditors=self._auditors) \
             if self.options.audit_rate > 0 else None
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
         self.receipts = ReceiptBook(node, swarm_id(node.config.swarm, str(entry.ref)), payer)
@@ -242,6 +257,22 @@ class SwarmClient:
                 self._audit_runtimes[span, weights] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype,
                                                                       self.entry.device, quant=weights)
             return self._audit_runtimes[span, weights]
+
+    def _auditors(self, span: Span, stage: str) -> list[list[str]]:
+        """Who may audit `stage` on `span`, in the order to draw from: the contributors of the coordinator's plan
+        that serve the same span (its layers are loaded: nothing to load, no memory taken), then its spares
+        (idle), then the rest (they load the span if they have room). Neither the stage nor its route picks."""
+        plan = self.coordinator.state
+        excluded = {e.node for e in plan.excluded}
+        serving = {s.node: s.span for p in (*plan.active, *plan.target) for s in p.stages}
+        contributors = [peer for peer, info in self.members.view().items()
+                        if info.role == "contributor" and peer not in excluded and peer != stage]
+        replicas = [p for p in contributors if serving.get(p) == span]
+        spares = [p for p in contributors if p not in serving]
+        return [replicas, spares, [p for p in contributors if p not in replicas and p not in spares]]
+
+    def _on_probation(self, stage: str) -> bool:
+        return self.auditor is not None and self.auditor.on_probation(stage)
 
     def _standing(self, stage: str) -> int:
         """The audits the swarm knows `stage` passed (the plan's standings)."""
@@ -348,11 +379,12 @@ class SwarmClient:
                           lambda peer: peer in connected and not self.node.bans.is_banned(peer))
 
     def _pipeline(self, route: Route) -> RemotePipeline:
-        """The pipeline over `route`; pipelines over routes the active plan no longer has are closed."""
+        """The pipeline over `route`; pipelines over routes the active plan no longer has (or in another mode than
+        the options now say) are closed."""
         o = self.options
         live = {p.stages for p in self.coordinator.state.active} | {route}
         with self._lock:
-            stale = [r for r in self._pipes if r not in live]
+            stale = [r for r, p in self._pipes.items() if r not in live or p.mode != o.mode]
             retired = [self._pipes.pop(r) for r in stale]
             self._retired = (self._retired[0] + sum(p.wire_bytes for p in retired),
                              self._retired[1] + sum(p.raw_bytes for p in retired))
@@ -373,7 +405,8 @@ class SwarmClient:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids=(), on_token: Callable[[int], None] | None = None,
-                 route_timeout: float = 60.0, on_rewind: Callable[[int], None] | None = None) -> SwarmGeneration:
+                 route_timeout: float = 60.0, on_rewind: Callable[[int], None] | None = None,
+                 on_settled: Callable[[int], None] | None = None) -> SwarmGeneration:
         """Generate through the swarm, re-routing on failures. Speculates when a draft is set and free
         (one generation at a time uses the draft; concurrent ones decode a token per pass). A stage with no
         room for the session (StageBusy) is waited for, up to `route_timeout`, not banned. `on_token` may
@@ -382,9 +415,13 @@ class SwarmClient:
 
         Before it returns, the generation waits for its audits. A stage caught by one computed some of the
         tokens: they are taken back (`on_rewind(n)`: only the first n tokens stand) and generated again on a
-        route without it, so what is returned never rests on a stage caught lying."""
+        route without it, so what is returned never rests on a stage caught lying. `on_settled(n)`: the first n
+        tokens are final. Tokens computed through a stage on probation are final only once the audit of its
+        whole session passed (at the end of the attempt); others at once (a per-step audit may still catch a
+        stage later, rarely). A caller that shows text to someone who cannot unsee it shows only those."""
         speculate = self.speculate and self.draft is not None and self._draft_busy.acquire(blocking=False)
-        request = Request(prompt_ids, max_new_tokens, params, stop_ids, speculate, route_timeout, on_token, on_rewind)
+        request = Request(prompt_ids, max_new_tokens, params, stop_ids, speculate, route_timeout, on_token, on_rewind,
+                          on_settled)
         try:
             progress = Progress.start(request)
             try:
@@ -410,23 +447,27 @@ class SwarmClient:
         while True:
             pipeline = self.route(progress.request.route_timeout)
             progress.take(pipeline.stages)
+            progress.held |= any(self._on_probation(s.node) for s in pipeline.stages)
             pipe = self._pipeline(pipeline.stages)
             wire0, raw0 = pipe.wire_bytes, pipe.raw_bytes
             outcome = self._attempt(progress, pipe, pipeline.micro_batches)
-            if isinstance(outcome, Caught):
-                progress.rewind(outcome.keep, outcome.stages)
-                progress.recoveries += 1
-                if progress.recoveries > MAX_RECOVERIES:  # given up as that stage's failure (logged, struck)
-                    outcome = Failed(StageFailed(next(iter(outcome.stages)),
-                                                 "caught by an audit, and no honest route left"))
             match outcome:
                 case Busy(error):
                     busy.wait(error)
                 case Failed(error):
                     self._fail_over(progress, error)
+                    if progress.finished():  # it failed after the last token: the audits settle all the same
+                        outcome = self._settled(progress)
             # this generation's bytes (a concurrent one on the same route adds its own)
             progress.wire, progress.raw = progress.wire + pipe.wire_bytes - wire0, progress.raw + pipe.raw_bytes - raw0
-            if isinstance(outcome, Done) or progress.finished():
+            if isinstance(outcome, Caught):
+                progress.rewind(outcome.keep, outcome.stages)
+                progress.recoveries += 1
+                if progress.recoveries > MAX_RECOVERIES:  # given up as that stage's failure (logged, struck)
+                    self._fail_over(progress, StageFailed(next(iter(outcome.stages)),
+                                                          "caught by an audit, and no honest route left"))
+            if isinstance(outcome, Done) or isinstance(outcome, Caught) and progress.finished():
+                progress.settle()
                 return progress.result()
 
     def _attempt(self, progress: Progress, pipe: RemotePipeline, micro_batches: int) -> Outcome:
@@ -445,11 +486,15 @@ class SwarmClient:
                 pass  # the caller has what it wants: a normal end
             finally:
                 pipe.close_session(session)
-            caught = self.auditor.settle(progress.sessions) if self.auditor else set()
         except StageBusy as e:  # a full stage is not a broken one
             return Busy(e)
         except StageFailed as e:
             return Failed(e)
+        return self._settled(progress)
+
+    def _settled(self, progress: Progress) -> Done | Caught:
+        """Wait for the audits of every session so far: Caught when one caught a stage."""
+        caught = self.auditor.settle(progress.sessions) if self.auditor else set()
         return Caught(caught, progress.trusted(caught)) if caught else Done()
 
     def _session_size(self, request: Request) -> tuple[int, int]:

@@ -67,7 +67,7 @@ def encode_prompt(entry, args):
 def start_client(args, entry, bootstrap: list[str], draft, tuner, *, secret: bytes | None = None,
                  listen: list[str] | None = None, **options):
     """The started SwarmClient of demo, chat and serve: --heartbeat, --listen (else `listen`), --announce, --relay,
-    --audit-rate and --identity from `args`; `options` are the command's other ClientOptions."""
+    --audit-rate, --audit-here and --identity from `args`; `options` are the command's other ClientOptions."""
     from beeswarm import secrets
     from beeswarm.client.swarm import ClientOptions, SwarmClient
     from beeswarm.p2p import identity
@@ -78,5 +78,5 @@ def start_client(args, entry, bootstrap: list[str], draft, tuner, *, secret: byt
         raise UserError(f"--identity machine: {e}") from None
     return SwarmClient.create(entry, bootstrap, secret=secret, interval=args.heartbeat, listen=args.listen or listen,
                               announce=args.announce, relays=args.relay,
-                              options=ClientOptions(audit_rate=args.audit_rate, **options), draft=draft,
-                              tuner=tuner, payer=payer).start()
+                              options=ClientOptions(audit_rate=args.audit_rate, audit_here=args.audit_here, **options),
+                              draft=draft, tuner=tuner, payer=payer).start()

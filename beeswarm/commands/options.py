@@ -100,8 +100,10 @@ def add_audit(p: argparse.ArgumentParser) -> None:
     from beeswarm.audit import DEFAULT_RATE
 
     p.add_argument("--audit-rate", type=_audit_rate, default=DEFAULT_RATE, metavar="P",
-                   help=f"check each stage's steps with probability P by recomputing them (default {DEFAULT_RATE}; "
-                        "0: off)")
+                   help=f"check each stage's steps with probability P (default {DEFAULT_RATE}; 0: off); other "
+                        "contributors recompute them, so this machine needs no layers")
+    p.add_argument("--audit-here", action="store_true",
+                   help="recompute audits on this machine instead (it loads every span it audits, once)")
 
 
 def add_serve(p: argparse.ArgumentParser) -> None:

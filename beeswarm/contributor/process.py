@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from beeswarm.audit import evidence
 from beeswarm.audit.faults import Fault
+from beeswarm.audit.peer import PeerAuditService
 from beeswarm.contributor.credits import ReceiptBox
 from beeswarm.contributor.lifecycle import Lifecycle, Phase
 from beeswarm.contributor.stage import StageServer
@@ -121,6 +122,7 @@ class Contributor:
                                                   max_bytes=node.config.max_tensor_bytes,
                                                   ask_reveal=self._ask_reveal))
         swarm = swarm_id(node.config.swarm, str(options.model))
+        self.peer_audits = PeerAuditService(node, self._audit_runtime)  # audits other stages for entries
         self.credits = CreditKeeper(self.coordinator.follower, swarm)  # records receipts while this node leads
         self.receipts = ReceiptBox(self.coordinator.follower, swarm, local=self.credits.hand_in)
 
@@ -149,13 +151,21 @@ class Contributor:
         return revealed
 
     def _audit_runtime(self, span: Span) -> SpanRuntime:
-        """The layers to check evidence with: the served span's own, or `span` loaded for it (the last kept)."""
+        """The layers to audit or check evidence with: the served span's own, or `span` loaded for it (the last
+        kept) when it fits in half the memory free now (MemoryError otherwise: serving comes first)."""
         with self._lock:
             served = self.server.runtimes.get(span) if self.server else None
             if served is None and self._judging is not None and self._judging.span == span:
                 served = self._judging
         if served is None:
-            log.info("loading layers %s to check evidence against them", span)
+            from beeswarm.shard.device import resolve_device
+
+            o = self.options
+            need = model_shape(o.model, o.device, o.dtype, o.quant).layer_bytes * (span.end - span.start)
+            free = benchmark.free_bytes(resolve_device(o.device))
+            if need > free // 2:
+                raise MemoryError(f"layers {span} need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free")
+            log.info("loading layers %s to audit or check evidence with", span)
             served = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
                                       quant=self.options.quant)
             with self._lock:
@@ -195,6 +205,7 @@ class Contributor:
         self.coordinator.start()
         self.credits.start()
         self.receipts.start()
+        self.peer_audits.start()
         self.prober.start()
         self.node.on_failure.append(self._node_failed)
         self.node.start()

@@ -32,6 +32,7 @@ from beeswarm import codec
 from beeswarm.audit import commitments
 from beeswarm.audit.evidence import reveal
 from beeswarm.audit.faults import Fault
+from beeswarm.audit.peer import commissioned
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.contributor import admission
 from beeswarm.p2p.channel import Channel, ChannelPool
@@ -402,11 +403,18 @@ class StageServer:
         return commit
 
     def _on_reveal(self, peer: str, msg: Reveal) -> Message:
-        """A session's steps up to one, for its entry, or for the coordinator judging that entry's evidence;
-        no one else (they are its user's text)."""
+        """A session's steps up to one, for its entry, an auditor the entry commissioned, or the coordinator
+        judging evidence; no one else (they are its user's text)."""
         entry = msg.entry or peer
-        if entry != peer and peer != self.coordinator():
-            return ErrorReply(error="only a session's entry, or the coordinator, may ask for its reveal")
+        if msg.commission is not None:
+            c = msg.commission
+            if not commissioned(c, peer, self.node.peer_id, msg.session, msg.step):
+                return ErrorReply(error="the commission does not name this auditor, this stage and this step, "
+                                        "signed by the session's entry")
+            entry = c.entry
+        elif entry != peer and peer != self.coordinator():
+            return ErrorReply(error="only a session's entry, an auditor it commissioned, or the coordinator may "
+                                    "ask for its reveal")
         steps = self.step_log.upto(f"{entry}/{msg.session}", msg.step)
         if steps is None:
             return ErrorReply(error=f"step {msg.step} of session {msg.session!r} is not kept here")

@@ -234,8 +234,8 @@ class Coordinator:
         """Judge an accusation (in a worker thread: it may recompute a span) and sentence whom it names."""
         if not self.is_leader or self._judge is None:
             return ErrorReply(error="this node is not the coordinator", busy=True)
-        if evidence.accuser != peer:
-            raise ProtocolError("evidence is taken from its accuser only")
+        if peer not in (evidence.accuser, evidence.session_entry):  # an entry hands in its peer auditor's evidence
+            raise ProtocolError("evidence is taken from its accuser, or the entry whose session it is about")
         if peer in self.sentences:
             return ErrorReply(error="this node is excluded: it brings no evidence")
         judgement = self._judge(evidence)  # ProtocolError (unsigned) strikes the sender
@@ -248,7 +248,7 @@ class Coordinator:
             self.sentences[sentence.node] = sentence
         with self._lock:
             self.ledger.forget(sentence.node)
-        if not judgement.upheld:
+        if not judgement.upheld and peer == evidence.accuser:
             self.node.strike(peer, judgement.reason, severe=True)
         self.mark_dirty()
         return Verdict(excluded=sentence.node, reason=sentence.reason)

@@ -447,11 +447,13 @@ class Node:
         "internal error"."""
         self._set_handler(protocol, functools.partial(self.requests.serve_stream, protocol, handler, requests))
 
-    def request(self, peer: str, protocol: str, msg: Message, replies: Decoder[Any], timeout: float = 10.0) -> Any:
-        """Send `msg`, wait for the reply. Raises TimeoutError, PeerUnavailable or RemoteError."""
+    def request(self, peer: str, protocol: str, msg: Message, replies: Decoder[Any], timeout: float = 10.0,
+                limit: int = CONTROL_LIMIT) -> Any:
+        """Send `msg`, wait for the reply. Raises TimeoutError, PeerUnavailable or RemoteError. `limit`: the
+        largest request (the peer's decoder for `protocol` must take as much: evidence carries tensors)."""
         body = encode(msg)
-        if len(body) > CONTROL_LIMIT:
-            raise NodeError(f"request of {len(body)} bytes exceeds the {CONTROL_LIMIT}-byte limit")
+        if len(body) > limit:
+            raise NodeError(f"request of {len(body)} bytes exceeds the {limit}-byte limit")
         return self.call(self.requests.request, peer, protocol, body, replies, timeout)
 
     # channels ---------------------------------------------------------------------------------

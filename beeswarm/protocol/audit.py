@@ -8,6 +8,7 @@ anyone can check: the stage's own signatures over what it computed, and the reve
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Literal
 
 import msgspec
@@ -20,14 +21,31 @@ from beeswarm.protocol.step import Commit, Keep, Signature
 MAX_REVEAL_STEPS = 8192
 
 
+class Commission(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """An entry's signed word that `auditor` may have `stage` reveal the entry's `session` up to `step`
+    (`commission_body`): a peer auditor shows it to the stage, which reveals to nobody else."""
+
+    entry: PeerId
+    auditor: PeerId
+    stage: PeerId
+    session: SessionId
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    sig: Signature = b""
+
+
+def commission_body(c: Commission) -> bytes:
+    return msgspec.msgpack.encode(("beeswarm/commission/1", c.entry, c.auditor, c.stage, c.session, c.step))
+
+
 class Reveal(Message, frozen=True, tag="reveal"):
     """Ask a stage for a session's inputs up to and including `step`, with that step's output. Only the
-    session's entry may ask (the activations are its user's text), or the coordinator judging the entry's
-    evidence that the stage refused it (`entry` names whose session)."""
+    session's entry may ask (the activations are its user's text), an auditor it commissioned, or the
+    coordinator judging evidence that the stage refused (`entry` names whose session)."""
 
     session: SessionId
     step: Annotated[int, msgspec.Meta(ge=0)]
     entry: PeerId | None = None
+    commission: Commission | None = None
 
 
 class RevealedStep(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -58,7 +76,42 @@ def reveal_body(entry: str, r: Revealed, digests: list[tuple[bytes, bytes, bytes
                                    [(s.step, *d) for s, d in zip(r.steps, digests, strict=True)]))
 
 
-EvidenceKind = Literal["wrong", "contradiction", "chain", "refused"]
+class AuditAsk(Message, frozen=True, tag="audit-ask"):
+    """An entry asks a peer auditor (`ids.PEER_AUDIT`) to audit `commission.stage`'s work on its session up to
+    `commission.step`: the stage's commitments it holds for the session (all of them up to that step), and
+    the steps it sent without waiting for their results (`unobserved`)."""
+
+    commission: Commission
+    commits: Annotated[tuple[Commit, ...], msgspec.Meta(max_length=MAX_REVEAL_STEPS)]
+    unobserved: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_REVEAL_STEPS)] = ()
+
+
+class AuditVerdict(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A peer auditor's signed result (`verdict_body`): `stage`'s commitments `commits` (their digest) for the
+    entry's `session` up to `step` recompute as committed (`passed`), or not (then evidence comes with it). A
+    pass of commitments that recompute wrong is evidence against the auditor (`false_pass`)."""
+
+    auditor: PeerId
+    entry: PeerId
+    stage: PeerId
+    session: SessionId
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    passed: bool
+    commits: Annotated[bytes, msgspec.Meta(max_length=64)]  # commits_digest of what it checked
+    detail: Annotated[str, msgspec.Meta(max_length=500)] = ""
+    sig: Signature = b""
+
+
+def commits_digest(commits: tuple[Commit, ...]) -> bytes:
+    return hashlib.blake2b(msgspec.msgpack.encode(commits), digest_size=16).digest()
+
+
+def verdict_body(v: AuditVerdict) -> bytes:
+    return msgspec.msgpack.encode(("beeswarm/verdict/1", v.auditor, v.entry, v.stage, v.session, v.step, v.passed,
+                                   v.commits, v.detail))
+
+
+EvidenceKind = Literal["wrong", "contradiction", "chain", "refused", "false_pass"]
 
 
 class Evidence(Message, frozen=True, tag="evidence"):
@@ -73,8 +126,11 @@ class Evidence(Message, frozen=True, tag="evidence"):
     - refused: the accused did not reveal what `commits` commit to; the checker asks it itself and
       judges what it gets (a stage that refuses the coordinator too is excluded; one that answers is
       judged on its answer, and the accuser, who may just have lost its link, is not blamed).
+    - false_pass: the accused is a peer auditor whose signed `verdict` passed `commits`, and `revealed` (the
+      stage's, matching them) recomputes wrong.
     The accuser signs the whole (`sig` over the encoded evidence with `sig` empty): an accusation that does
-    not hold up is evidence against its author.
+    not hold up is evidence against its author. The accuser is the session's entry, or a peer auditor it
+    commissioned (then `entry` names the entry, whose session the commitments are signed for).
     """
 
     kind: EvidenceKind
@@ -85,7 +141,22 @@ class Evidence(Message, frozen=True, tag="evidence"):
     commits: Annotated[tuple[Commit, ...], msgspec.Meta(max_length=MAX_REVEAL_STEPS)]
     revealed: Revealed | None = None
     detail: Annotated[str, msgspec.Meta(max_length=500)] = ""
+    entry: PeerId | None = None
+    verdict: AuditVerdict | None = None
     sig: Signature = b""
+
+    @property
+    def session_entry(self) -> str:
+        """Whose session the commitments and reveal are signed for."""
+        return self.entry or self.accuser
+
+
+class Audited(Message, frozen=True, tag="audited"):
+    """A peer auditor's answer to `AuditAsk`: its signed verdict, and when the stage failed (or refused it)
+    the evidence, signed by the auditor."""
+
+    verdict: AuditVerdict
+    evidence: Evidence | None = None
 
 
 class Verdict(Message, frozen=True, tag="verdict"):

@@ -9,6 +9,7 @@ AUTH = "/beeswarm/auth/1"  # request: private-swarm challenge
 PLAN = "/beeswarm/plan/1"  # request: the coordinator's current signed plan
 MEMBERS = "/beeswarm/members/1"  # request: a member's beat to the coordinator, answered with the view
 AUDIT = "/beeswarm/audit/1"  # request: a stage reveals what it computed for one of the asker's sessions
+PEER_AUDIT = "/beeswarm/peer-audit/1"  # request: an entry asks a contributor to audit a stage of its session
 EVIDENCE = "/beeswarm/evidence/1"  # request: an entry hands the coordinator evidence against a stage
 PASSED = "/beeswarm/passed/1"  # request: an entry tells the coordinator a stage passed its audit of a session
 RECEIPT = "/beeswarm/receipt/1"  # request: an entry hands a stage its signed receipt for a session

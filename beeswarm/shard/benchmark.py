@@ -60,6 +60,13 @@ def host_available_bytes() -> int:
     return psutil.virtual_memory().available
 
 
+def free_bytes(device: torch.device) -> int:
+    """Memory free for new weights on `device` now (host memory on CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return host_available_bytes()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -158,7 +165,6 @@ def replace_memory(result: BenchResult, device: torch.device) -> BenchResult:
 
     host = host_available_bytes()
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return replace(result, mem_bytes=int(free), host_mem_bytes=int(host))
+        return replace(result, mem_bytes=free_bytes(device), host_mem_bytes=int(host))
     # On CPU the same memory holds the weights and serves as "host" memory: count it once.
     return replace(result, mem_bytes=int(host), host_mem_bytes=0)

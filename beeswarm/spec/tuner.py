@@ -36,8 +36,9 @@ RETRY_PIPELINED = 30  # serial plans in a row before a pipelined one is tried ag
 MEASURED_TRIALS = 12  # candidates judged before a pipelined plan is weighed (about 4 rounds: at 32 the
 # first prompt of spec_bench ran 10 serial rounds, 3.3 s, on the 280 ms ring before its first pipelined step)
 # Rounds shorter than this stay serial: the entry's drafting and bookkeeping for each step in flight, and
-# the stages' share of two cores, ate the gain at every shorter ring in spec_bench's sweep.
-MIN_RING_S = 0.2
+# the stages' share of two cores, ate the gain at 0-40 ms rings in spec_bench's sweep; with tinycode's
+# distilled draft pipelining wins from 80 ms (0.2 s until then, set with a draft that missed twice as often).
+MIN_RING_S = 0.1
 EXPLORE = 1.05  # a pipelined plan is tried when its closed form beats serial rounds by this
 # Acceptance before any round is measured: a draft paired with its target usually agrees about half
 # the time; later candidates at a node are accepted far less often than the first.
