@@ -13,10 +13,12 @@ Sections (all by default):
   commitments to the auditor, measured on real hidden states and scaled to 4096 wide and 2k tokens.
 - throughput: tokens/s of 4 concurrent chats through a local swarm of 3 contributor processes at audit
   rates 0, the default and 4x the default (rounds interleaved; medians), peer auditors recomputing (the
-  contributors), probation on (each round's entry is new; the stages are new in the first round).
+  contributors; `--audit-here`: the entry), probation on (each round's entry is new; the stages are new in
+  the first round).
 The in-process sections use real nodes on 127.0.0.1 and the `--model` checkpoint (tinycode by default).
 
-    python benchmarks/audit_bench.py [--sections cost tolerance detection caught reveal throughput] [--json]
+    python benchmarks/audit_bench.py [--sections cost tolerance detection caught reveal throughput]
+                                       [--rounds N] [--audit-here] [--json]
 """
 from __future__ import annotations
 
@@ -281,7 +283,8 @@ def throughput(args) -> dict:
         for _ in range(args.rounds):
             for rate in rates:
                 client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=LOCAL,
-                                            options=ClientOptions(audit_rate=rate)).start()
+                                            options=ClientOptions(audit_rate=rate,
+                                                                  audit_here=args.audit_here)).start()
                 try:
                     client.route(60)
                     client.generate([1, 2, 3], 4, GREEDY)
@@ -329,6 +332,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=200, help="generations per detection cell")
     parser.add_argument("--caught-trials", type=int, default=5)
     parser.add_argument("--reveal-tokens", type=int, default=2048)
+    parser.add_argument("--audit-here", action="store_true", help="throughput: the entry recomputes, not peers")
     parser.add_argument("--seconds", type=float, default=30.0, help="per throughput run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")

@@ -135,12 +135,13 @@ def test_a_dishonest_stage_is_caught_and_the_evidence_convinces_a_third_party(me
     assert verdict.upheld and verdict.excluded == cheat and "recomputation" in verdict.reason
 
 
-@pytest.mark.parametrize("mode", ["identity", "noise@0.5"])
+@pytest.mark.parametrize("mode", ["identity", "noise@0.5", "bias"])
 def test_a_newcomer_that_lies_is_caught_in_its_first_generation_at_the_default_rate(mesh, tiny_llama, mode):
     """Probation: a stage nobody has audited (a fresh key) has its whole session audited before the generation
     returns; at the default per-step rate (which alone caught a liar only by the 4th generation or later)."""
     name, _, fraction = mode.partition("@")
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, Fault(name, float(fraction or 1)), rate=DEFAULT_RATE)
+    fault = Fault(name, float(fraction or 1), _token_direction(tiny_llama, 64) if name == "bias" else None)
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, fault, rate=DEFAULT_RATE)
     session, _ = run(pipe, PROMPTS[1], 12)
     assert auditor.settle([session]) == {stages[1].peer_id}
     assert auditor.sent[0].accused == stages[1].peer_id and auditor.sent[0].kind == "wrong"

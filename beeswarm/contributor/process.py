@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 LEAVE_GRACE_S = 5.0
 WORKER_GRACE_S = 30.0  # a benchmark or span load still running when leaving stops at its next step
 TICK_S = 1.0  # how often the served tokens/s is measured and put in the heartbeat
+AUDIT_SPANS = 4  # spans loaded to audit other stages with, kept (each only where it fits in half the free memory)
 
 
 class Leaving(Exception):
@@ -117,7 +118,7 @@ class Contributor:
         self._history: deque[float] = deque(maxlen=HISTORY)
         self._benching = threading.Lock()
         self._workers: list[threading.Thread] = []  # span loads and re-benchmarks, joined when leaving
-        self._judging: SpanRuntime | None = None  # a span loaded to check evidence with
+        self._auditing: OrderedDict[Span, SpanRuntime] = OrderedDict()  # spans loaded to audit with, newest last
         self.coordinator = lead(functools.partial(evidence.judge, runtime_for=self._audit_runtime,
                                                   max_bytes=node.config.max_tensor_bytes,
                                                   ask_reveal=self._ask_reveal))
@@ -152,11 +153,13 @@ class Contributor:
 
     def _audit_runtime(self, span: Span) -> SpanRuntime:
         """The layers to audit or check evidence with: the served span's own, or `span` loaded for it (the last
-        kept) when it fits in half the memory free now (MemoryError otherwise: serving comes first)."""
+        AUDIT_SPANS kept: in a pipeline the other stages' spans come up again and again) when it fits in half
+        the memory free now (MemoryError otherwise: serving comes first)."""
         with self._lock:
             served = self.server.runtimes.get(span) if self.server else None
-            if served is None and self._judging is not None and self._judging.span == span:
-                served = self._judging
+            if served is None and span in self._auditing:
+                self._auditing.move_to_end(span)
+                served = self._auditing[span]
         if served is None:
             from beeswarm.shard.device import resolve_device
 
@@ -169,7 +172,9 @@ class Contributor:
             served = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
                                       quant=self.options.quant)
             with self._lock:
-                self._judging = served
+                self._auditing[span] = served
+                while len(self._auditing) > AUDIT_SPANS:
+                    self._auditing.popitem(last=False)
         return served
 
     @property
