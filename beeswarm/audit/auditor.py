@@ -53,6 +53,7 @@ VOUCH_DRAIN_S = 3.0
 SETTLE_S = 30.0  # the longest a generation waits for its audits; later verdicts still ban and report
 PEER_AUDIT_S = 120.0  # a peer auditor's answer (it fetches the reveal and recomputes)
 PEER_TRIES = 3  # auditors asked before an audit is given up as unchecked
+WORKERS = 4  # audits run at once
 SECOND_OPINION = 0.1  # of peer auditors' passes checked again (every one while the stage is on probation)
 
 
@@ -112,19 +113,23 @@ class Auditor:
         self._drawn_whole: dict[str, set[str]] = defaultdict(set)  # session -> stages drawn for a whole audit
         self._done: set[str] = set()  # sessions settled: forgotten once their audits have run
         self._cond = threading.Condition()
+        self._recomputing = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._replies = reply_decoder(Revealed, limit=node.config.max_tensor_bytes)
         self._verdicts = reply_decoder(Verdict)
         self._credits = reply_decoder(Credited)
-        self._worker = threading.Thread(target=self._run, name="auditor", daemon=True)
-        self._worker.start()
+        # several audits at once: concurrent generations' audits do not queue behind one another, and a peer
+        # audit is mostly waiting on the auditor
+        for n in range(WORKERS):
+            threading.Thread(target=self._run, name=f"auditor-{n}", daemon=True).start()
 
     def close(self, drain_s: float = VOUCH_DRAIN_S) -> None:
         """Stop auditing; the passes still on their way to the coordinator get up to `drain_s` (a chat that
         ends with its generation would otherwise lose the last ones)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._vouching, drain_s)
-        self._jobs.put(None)
+        for _ in range(WORKERS):
+            self._jobs.put(None)
 
     def observe(self, session: str, commits: Sequence[Commit]) -> None:
         """A step's verified commitments (one per stage): keep them, and draw which to audit."""
@@ -191,7 +196,7 @@ class Auditor:
 
     def accuse(self, evidence: Evidence) -> None:
         """Sign and send evidence found on the data path (a broken chain of commitments)."""
-        self.counts.failed += 1
+        self._count("failed")
         signed = sign_evidence(self.node.identity.key_pair, evidence)
         threading.Thread(target=self._report, args=(signed,), name="evidence", daemon=True).start()
 
@@ -214,7 +219,7 @@ class Auditor:
             unobserved = frozenset(self._unobserved[job.session])
         if job.stage in {p for caught in self._caught.values() for p in caught}:
             return  # caught already
-        self.counts.run += 1
+        self._count("run")
         if self.runtime_for is not None:
             self._recompute_here(job, commits, unobserved)
             return
@@ -223,7 +228,7 @@ class Auditor:
                  for tier in self.auditors(commits[0].span, job.stage)]
         first = self._peer_audit(ask, tiers)
         if first is None:
-            self.counts.unchecked += 1
+            self._count("unchecked")
             log.warning("no auditor could check %s's step %d (layers %s): left unchecked", job.stage, job.step,
                         commits[0].span)
             return
@@ -274,11 +279,11 @@ class Auditor:
         try:
             revealed = self.node.request(job.stage, ids.AUDIT, Reveal(session=job.session, step=job.step),
                                          self._replies, timeout=REVEAL_TIMEOUT_S)
-            with torch.inference_mode():
+            with self._recomputing, torch.inference_mode():  # one replay at a time on this machine's spans
                 finding = examine(self.node.peer_id, commits, revealed, self.runtime_for,
                                   self.node.config.max_tensor_bytes, complete=True, unobserved=unobserved)
         except CannotRecompute as e:
-            self.counts.unchecked += 1
+            self._count("unchecked")
             log.warning("cannot check %s's step %d here: %s", job.stage, job.step, e)
             return
         except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
@@ -292,7 +297,7 @@ class Auditor:
         self._failed(job, _evidence(job, self.node.peer_id, commits, revealed, finding), "this entry")
 
     def _passed(self, job: _Job, commits: list[Commit]) -> None:
-        self.counts.passed += 1
+        self._count("passed")
         log.debug("audit of %s step %d passed", job.stage, job.step)
         with self._cond:
             self.passed[job.stage] = self.passed.get(job.stage, 0) + 1
@@ -305,9 +310,9 @@ class Auditor:
         here when this entry found it; a peer auditor's is signed by it)."""
         assert evidence is not None, "a failed verdict comes with evidence (ask_peer checks it)"
         if evidence.kind == "refused":
-            self.counts.refused += 1
+            self._count("refused")
         else:
-            self.counts.failed += 1
+            self._count("failed")
         self._caught_in(job, f"{'refused' if evidence.kind == 'refused' else 'failed'} an audit of step {job.step} "
                              f"({by}): {evidence.detail}")
         if evidence.accuser == self.node.peer_id:
@@ -316,13 +321,17 @@ class Auditor:
 
     def _false_pass(self, auditor: str, verdict: AuditVerdict, commits: tuple[Commit, ...], caught: Evidence) -> None:
         """`auditor` passed what a second auditor's evidence shows wrong: evidence against it, its own signed pass."""
-        self.counts.auditors_caught += 1
+        self._count("auditors_caught")
         why = f"passed {verdict.stage}'s step {verdict.step}, which recomputes wrong"
         log.warning("auditor %s %s", auditor, why)
         self.node.bans.strike(auditor, why, severe=True)
         self._report(sign_evidence(self.node.identity.key_pair, Evidence(
             kind="false_pass", accused=auditor, accuser=self.node.peer_id, session=caught.session, span=caught.span,
             commits=commits, revealed=caught.revealed, verdict=verdict, detail=why)))
+
+    def _count(self, what: str) -> None:
+        with self._cond:
+            setattr(self.counts, what, getattr(self.counts, what) + 1)
 
     def _caught_in(self, job: _Job, why: str) -> None:
         log.warning("stage %s %s", job.stage, why)

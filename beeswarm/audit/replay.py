@@ -23,6 +23,7 @@ from beeswarm.shard import tensors
 from beeswarm.shard.span import SpanRuntime, StepInput
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+MERGE_TOKENS = 256  # consecutive plain steps replayed as one pass (bounds its activations)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -46,20 +47,41 @@ class Mismatch:
 
 
 def replay(runtime: SpanRuntime, steps: Sequence[LoggedStep]) -> list[torch.Tensor]:
-    """The span's outputs for `steps`, recomputed in order in a session of its own."""
+    """The span's outputs for `steps`, recomputed in order in a session of its own. Consecutive plain steps
+    (no tree mask, no kept path, each starting where the last ended: decoding one token at a time) run as one
+    pass of up to MERGE_TOKENS tokens, as a prefill of them would: the same attention over the same cache, one
+    forward instead of one per token (most of an audit's time was the per-pass overhead)."""
     key = f"audit/{os.urandom(8).hex()}"
     max_length = max(s.start + s.input.shape[0] for s in steps)
     runtime.open(key, min(max_length, runtime.config.max_position_embeddings))
     try:
-        outputs = []
-        for s in steps:
-            if s.keep is not None:
-                runtime.keep(key, s.keep.start, list(s.keep.indices))
-            mask = tensors.decode_mask(s.mask, s.input.shape[0], s.start)
-            outputs.append(runtime.step([StepInput(key, s.input, s.start, mask)])[0].to("cpu"))
+        outputs: list[torch.Tensor] = []
+        for group in _runs(steps):
+            first = group[0]
+            if first.keep is not None:
+                runtime.keep(key, first.keep.start, list(first.keep.indices))
+            mask = tensors.decode_mask(first.mask, first.input.shape[0], first.start)
+            hidden = first.input if len(group) == 1 else torch.cat([s.input for s in group])
+            out = runtime.step([StepInput(key, hidden, first.start, mask)])[0].to("cpu")
+            outputs.extend(out.split([s.input.shape[0] for s in group]))
         return outputs
     finally:
         runtime.close(key)
+
+
+def _runs(steps: Sequence[LoggedStep]) -> list[list[LoggedStep]]:
+    """`steps` in the groups a replay runs as one pass each: a step with a tree mask alone; a plain one with the
+    plain steps after it that start where it ends and bring no kept path (MERGE_TOKENS at most)."""
+    runs: list[list[LoggedStep]] = []
+    for s in steps:
+        last = runs[-1] if runs else None
+        if last is not None and last[0].mask is None and s.mask is None and s.keep is None and \
+                s.start == last[-1].start + last[-1].input.shape[0] and \
+                s.start + s.input.shape[0] - last[0].start <= MERGE_TOKENS:
+            last.append(s)
+        else:
+            runs.append([s])
+    return runs
 
 
 def first_mismatch(runtime: SpanRuntime, steps: Sequence[LoggedStep], checked: set[int]) -> Mismatch | None:
