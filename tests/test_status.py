@@ -72,6 +72,11 @@ def test_without_a_plan_the_layers_come_from_the_members():
     assert report({}, {}, None).num_layers == 0 and not report({}, {}, None).complete
     text = "\n".join(render(report({}, {}, None)))
     assert "plan: none heard" in text and "coordinator: none heard" in text
+    # the last span's holder gone and no complete plan left: the layers earlier plans showed still count
+    survivors = {A: member(A, Span(0, 3)), B: member(B, Span(3, 6))}
+    assert report(survivors, {}, PlanState()).complete  # what the announced spans alone would say
+    after_loss = report(survivors, {}, PlanState(), num_layers=8)
+    assert after_loss.gaps == (Span(6, 8),) and not after_loss.complete
 
 
 def test_migration_shows_both_plans():

@@ -107,4 +107,4 @@ def observe(members: Membership, coordinator: PlanFollower) -> StatusReport:
     lease = coordinator.lease
     return report({peer: m.info for peer, m in heard.items()}, {peer: now - m.last_seen for peer, m in heard.items()},
                   coordinator.state, lease.leader if lease else None, lease.term if lease else 0,
-                  lease.epoch if lease else 0, coordinator.ledger_state)
+                  lease.epoch if lease else 0, coordinator.ledger_state, num_layers=coordinator.num_layers)

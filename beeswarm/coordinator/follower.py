@@ -53,6 +53,7 @@ class PlanFollower:
         # eligibility is given at each tick by whoever stands for the lease (a `Coordinator`); nobody else does
         self.election = Election(node.peer_id, interval, False, clock, founder=not node.config.bootstrap)
         self.state = PlanState()
+        self.num_layers = 0  # the model's layers as the plans followed showed them (an empty plan shows none)
         self.ledger: SignedLedger | None = None  # the newest credit ledger the coordinators followed published
         self.ledger_state = LedgerState()
         self.listeners: list[Callable[[PlanState], None]] = []
@@ -214,6 +215,8 @@ class PlanFollower:
         """Follow `state` (a verified plan of the lease's leader, or this node's own as it leads) and tell the
         listeners."""
         self.state = state
+        ends = [s.span.end for p in (*state.active, *state.target) for s in p.stages]
+        self.num_layers = max([self.num_layers, *ends])
         self.members.refresh()
         for listener in list(self.listeners):
             try:

@@ -125,10 +125,11 @@ def _segments(num_layers: int, serving: Mapping[str, tuple[Span, ...]]) -> tuple
 
 def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], plan: PlanState | None = None,
            coordinator: str | None = None, term: int = 0, epoch: int = 0,
-           ledger: LedgerState | None = None) -> StatusReport:
+           ledger: LedgerState | None = None, num_layers: int = 0) -> StatusReport:
     """The report from a membership view, each member's seconds since its last heartbeat, the plan
     followed (None or an empty `PlanState`: none heard), the coordinator's lease (`coordinator`,
-    `term`, `epoch`; None: none heard, the plan's author then stands in) and the credit ledger followed.
+    `term`, `epoch`; None: none heard, the plan's author then stands in), the credit ledger followed and the
+    model's layers as earlier plans showed them (`num_layers`, 0: unknown).
 
     Coverage counts what members announce serving (contributors not leaving or paused), not what the
     plan assigns: a planned node that has not loaded its span yet leaves a gap."""
@@ -140,7 +141,9 @@ def report(view: Mapping[str, NodeInfo], heartbeat_ages: Mapping[str, float], pl
                for peer, info in view.items() if info.role == "contributor" and info.state not in NOT_SERVING}
     planned = list(assignments(plan.active).values()) + list(assignments(plan.target).values()) if plan else []
     announced = [s for spans in serving.values() for s in spans]
-    num_layers = max((s.end for s in planned or announced), default=0)
+    # at least the layers an earlier plan showed: after a loss no complete plan may be left, and the spans still
+    # announced can end short of the model's last layer
+    num_layers = max([num_layers, *(s.end for s in planned or announced)])
     credits = {b.node: b for b in ledger.balances} if ledger else {}
     members = tuple(MemberRow(peer=peer, role=info.role, state=info.state,
                               spans=info.spans or ((info.layers,) if info.layers else ()), device=info.device,
