@@ -31,11 +31,15 @@ test: $(STAMP) check
 	@($(MAKE) --no-print-directory $(BUNDLE) > build/bundle.log 2>&1; echo $$? > build/bundle.rc; \
 	  $(PY) -m pytest -m netns --durations=10 --basetemp=build/netns-tmp $(PYTEST_ARGS) > build/netns.log 2>&1; \
 	  echo $$? > build/netns.rc) & \
-	$(PY) -m pytest -m "not netns" --durations=20 $(PYTEST_ARGS) --ignore=tests/test_bundle.py; suite=$$?; wait; \
+	{ $(PY) -m pytest -m "not netns" --durations=20 $(PYTEST_ARGS) --ignore=tests/test_bundle.py; \
+	  echo $$? > build/suite.rc; } | tee build/suite.log; wait; \
 	echo "--- the network-namespace tests (build/netns.log) ---"; cat build/netns.log; \
 	if [ "$$(cat build/bundle.rc)" != 0 ]; then tail -40 build/bundle.log; echo "bundle build failed"; exit 1; fi; \
-	BEESWARM_REQUIRE_BUNDLE=1 $(PY) -m pytest $(PYTEST_ARGS) tests/test_bundle.py; bundle=$$?; \
-	exit $$(( suite || bundle || $$(cat build/netns.rc) ))
+	{ BEESWARM_REQUIRE_BUNDLE=1 $(PY) -m pytest $(PYTEST_ARGS) tests/test_bundle.py; \
+	  echo $$? > build/bundle-tests.rc; } | tee build/bundle-tests.log; \
+	echo "--- what failed, from all three runs (their logs: build/) ---"; \
+	grep -hE "^(FAILED|ERROR) " build/suite.log build/netns.log build/bundle-tests.log || echo "nothing"; \
+	exit $$(( $$(cat build/suite.rc) || $$(cat build/bundle-tests.rc) || $$(cat build/netns.rc) ))
 
 # The inner loop: the pure and in-process tests (no beeswarm processes), a few minutes on 2 cores.
 test-fast: $(STAMP)

@@ -20,6 +20,7 @@ from beeswarm.audit.retention import LoggedStep
 from beeswarm.p2p.signatures import sign_bytes, verify_bytes
 from beeswarm.protocol import ProtocolError, Span, encode
 from beeswarm.protocol.audit import (
+    AuditVerdict,
     Evidence,
     EvidenceKind,
     Revealed,
@@ -134,6 +135,14 @@ def evidence_signed(ev: Evidence) -> bool:
     return verify_bytes(ev.accuser, encode(msgspec.structs.replace(ev, sig=b"")), ev.sig)
 
 
+def sign_verdict(key_pair: KeyPair, v: AuditVerdict) -> AuditVerdict:
+    return msgspec.structs.replace(v, sig=sign_bytes(key_pair, verdict_body(v)))
+
+
+def verdict_signed(v: AuditVerdict) -> bool:
+    return verify_bytes(v.auditor, verdict_body(v), v.sig)
+
+
 @dataclass(frozen=True)
 class Judgement:
     excluded: str  # the accused, the accuser of a false accusation, or "" (nobody)
@@ -206,7 +215,7 @@ def _judge_pass(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int,
                 false: Callable[[str], Judgement]) -> Judgement:
     """A peer auditor (the accused) signed a pass of commitments whose reveal recomputes wrong."""
     v = ev.verdict
-    if v is None or v.auditor != ev.accused or not verify_bytes(v.auditor, verdict_body(v), v.sig) or \
+    if v is None or v.auditor != ev.accused or not verdict_signed(v) or \
             not v.passed or (v.entry, v.session) != (ev.session_entry, ev.session) or \
             v.commits != commits_digest(ev.commits):
         return false("the evidence holds no pass signed by the accused over these commitments")

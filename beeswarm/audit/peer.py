@@ -8,7 +8,7 @@ the stage to the auditor: the entry's link carries commitments only (179 bytes a
 
 An auditor's pass is a signed statement about the stage's signed commitments, so a pass of commitments that
 recompute wrong is evidence against the auditor (`false_pass`), found when the entry has the same step
-checked again by a second auditor (or itself); an accusation that does not hold convicts its auditor as any
+checked again by a second auditor; an accusation that does not hold convicts its auditor as any
 false accusation does.
 """
 from __future__ import annotations
@@ -22,7 +22,16 @@ import torch
 from libp2p.crypto.keys import KeyPair
 
 from beeswarm.audit import commitments
-from beeswarm.audit.evidence import CannotRecompute, RevealRefused, RuntimeFor, evidence_signed, examine, sign_evidence
+from beeswarm.audit.evidence import (
+    CannotRecompute,
+    RevealRefused,
+    RuntimeFor,
+    evidence_signed,
+    examine,
+    sign_evidence,
+    sign_verdict,
+    verdict_signed,
+)
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
@@ -38,7 +47,6 @@ from beeswarm.protocol.audit import (
     Revealed,
     commission_body,
     commits_digest,
-    verdict_body,
 )
 from beeswarm.protocol.encoding import Decoder
 
@@ -56,14 +64,6 @@ def commissioned(c: Commission, auditor: str, stage: str, session: str, step: in
     """Whether `c` lets `auditor` have `stage` reveal `session` up to `step`: it says so, signed by its entry."""
     return (c.auditor, c.stage, c.session, c.step) == (auditor, stage, session, step) and \
         verify_bytes(c.entry, commission_body(c), c.sig)
-
-
-def sign_verdict(key_pair: KeyPair, v: AuditVerdict) -> AuditVerdict:
-    return msgspec.structs.replace(v, sig=sign_bytes(key_pair, verdict_body(v)))
-
-
-def verdict_signed(v: AuditVerdict) -> bool:
-    return verify_bytes(v.auditor, verdict_body(v), v.sig)
 
 
 class PeerAuditService:
