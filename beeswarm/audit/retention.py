@@ -27,6 +27,7 @@ class LoggedStep:
     keep: Keep | None
     input: torch.Tensor  # on the host
     output: torch.Tensor
+    digests: tuple[bytes, bytes, bytes] | None = None  # (context, input, output) as committed: a reveal signs them
 
     @property
     def nbytes(self) -> int:
@@ -44,7 +45,10 @@ class StepLog:
     def __init__(self, retain_s: float = RETAIN_S, max_bytes: int = MAX_BYTES,
                  clock: Callable[[], float] = time.monotonic):
         self.retain_s, self.max_bytes, self.clock = retain_s, max_bytes, clock
-        self._logs: OrderedDict[str, _Log] = OrderedDict()  # oldest first
+        self._logs: dict[str, _Log] = {}
+        # the ended sessions, the one that ended first first: eviction looks at the front only (a stage records a
+        # step per step it serves, and scanning every session kept, ten minutes' worth, cost more than the step)
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -65,6 +69,8 @@ class StepLog:
         with self._lock:
             if key in self._logs:
                 self._logs[key].ended = self.clock()
+                self._ended[key] = None
+                self._ended.move_to_end(key)
             self._evict()
 
     def upto(self, key: str, step: int) -> list[LoggedStep] | None:
@@ -81,14 +87,13 @@ class StepLog:
             return None
 
     def _evict(self) -> None:
+        """Drop the ended sessions past `retain_s`, then more of them, first ended first, while over `max_bytes`."""
         now = self.clock()
-        for key in [k for k, v in self._logs.items() if v.ended is not None and now - v.ended > self.retain_s]:
-            self._drop(key)
-        ended = [k for k, v in self._logs.items() if v.ended is not None]  # oldest first
-        for key in ended:
-            if self._bytes <= self.max_bytes:
+        while self._ended:
+            key = next(iter(self._ended))
+            ended = self._logs[key].ended
+            assert ended is not None
+            if now - ended <= self.retain_s and self._bytes <= self.max_bytes:
                 break
-            self._drop(key)
-
-    def _drop(self, key: str) -> None:
-        self._bytes -= self._logs.pop(key).nbytes
+            del self._ended[key]
+            self._bytes -= self._logs.pop(key).nbytes
