@@ -11,14 +11,15 @@ Sections (all by default):
   newcomer (probation) and as a stage that starts lying after earning trust.
 - reveal: the bytes of a whole-session reveal (what a peer audit moves, stage to auditor) and the entry's
   commitments to the auditor, measured on real hidden states and scaled to 4096 wide and 2k tokens.
-- throughput: tokens/s of 4 concurrent chats through a local swarm of 3 contributor processes at audit
-  rates 0, the default and 4x the default (rounds interleaved; medians), peer auditors recomputing (the
+- throughput: tokens/s, and CPU a token of every process, of 4 concurrent chats through a local swarm of 3
+  contributor processes at audit rate 0 and `--rates` times the default (1 and 4 unless told; rounds in
+  ABBA order; each rate against rate 0 of its round, medians), peer auditors recomputing (the
   contributors; `--audit-here`: the entry), probation on (each round's entry is new; the stages are new in
   the first round).
 The in-process sections use real nodes on 127.0.0.1 and the `--model` checkpoint (tinycode by default).
 
     python benchmarks/audit_bench.py [--sections cost tolerance detection caught reveal throughput]
-                                       [--rounds N] [--audit-here] [--json]
+                                       [--rounds N] [--rates M ...] [--audit-here] [--json]
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import threading
 import time
 
 import msgspec
+import psutil
 import torch
 
 from beeswarm.audit import DEFAULT_RATE, commitments
@@ -272,16 +274,17 @@ def throughput(args) -> dict:
     """4 concurrent chats for `--seconds` per rate, rates interleaved over `--rounds`."""
     torch.set_num_threads(threads_per_process(4))
     swarm = LocalSwarm(3, args.model, heartbeat=1.0)
-    rates = [0.0, DEFAULT_RATE, 4 * DEFAULT_RATE]
+    rates = [0.0, *(m * DEFAULT_RATE for m in args.rates)]
     figures: dict[float, list[float]] = {r: [] for r in rates}
+    cpu_ms: dict[float, list[float]] = {r: [] for r in rates}  # CPU of every process (stages, auditors, entry) a token
     audits: dict[float, int] = dict.fromkeys(rates, 0)
     unchecked: dict[float, int] = dict.fromkeys(rates, 0)
     try:
         bootstrap = swarm.start()
         swarm.wait_ready()
         entry = EntryModel.load(args.model, "float32", "cpu")
-        for _ in range(args.rounds):
-            for rate in rates:
+        for n in range(args.rounds):
+            for rate in rates if n % 2 == 0 else rates[::-1]:  # ABBA: the machine's drift cancels in the ratios
                 client = SwarmClient.create(entry, [bootstrap], interval=1.0, listen=LOCAL,
                                             options=ClientOptions(audit_rate=rate,
                                                                   audit_here=args.audit_here)).start()
@@ -289,6 +292,8 @@ def throughput(args) -> dict:
                     client.route(60)
                     client.generate([1, 2, 3], 4, GREEDY)
                     tokens = []
+                    processes = [psutil.Process()] + [psutil.Process(c.process.pid) for c in swarm.children]
+                    cpu0 = [cpu_s(p) for p in processes]
                     stop = time.monotonic() + args.seconds
                     t0 = time.perf_counter()
 
@@ -304,20 +309,34 @@ def throughput(args) -> dict:
                     for t in threads:
                         t.join()
                     figures[rate].append(sum(tokens) / (time.perf_counter() - t0))
+                    by_process = [(cpu_s(p) - c0) * 1000 / sum(tokens) for p, c0 in zip(processes, cpu0)]
+                    cpu_ms[rate].append(sum(by_process))
                     audits[rate] += client.audits.run
                     unchecked[rate] += client.audits.unchecked
                 finally:
                     client.close()
-                print(json.dumps({"rate": rate, "tokens_per_s": round(figures[rate][-1], 2)}), file=sys.stderr,
-                      flush=True)
+                print(json.dumps({"rate": rate, "tokens_per_s": round(figures[rate][-1], 2),
+                                  "cpu_ms_per_token": round(cpu_ms[rate][-1], 2),
+                                  "entry_and_contributors": [round(x, 2) for x in by_process]}),
+                      file=sys.stderr, flush=True)
     finally:
         swarm.stop()
     base = figures[0.0]
     # the machine drifts between rounds: compare each rate with rate 0 of the same round
+    # and in CPU: what the audits take from the swarm's compute, whoever does it (stage, auditor, entry), which
+    # the wall clock of a saturated 2-core machine measures only loosely
     return {str(r): {"tokens_per_s": round(statistics.median(v), 2), "runs": [round(x, 2) for x in v],
                      "vs_no_audits_same_round": round(statistics.median(x / b for x, b in zip(v, base)), 3),
+                     "cpu_ms_per_token": [round(x, 2) for x in cpu_ms[r]],
+                     "cpu_cost_same_round": round(statistics.median(
+                         x / b - 1 for x, b in zip(cpu_ms[r], cpu_ms[0.0])), 3),
                      "audits_run": audits[r], "unchecked": unchecked[r]}
             for r, v in figures.items()}
+
+
+def cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 SECTIONS = {"cost": cost, "tolerance": tolerance, "detection": detection, "caught": caught_after,
@@ -335,6 +354,8 @@ def main() -> None:
     parser.add_argument("--audit-here", action="store_true", help="throughput: the entry recomputes, not peers")
     parser.add_argument("--seconds", type=float, default=30.0, help="per throughput run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rates", type=float, nargs="*", default=[1, 4],
+                        help="throughput: the audit rates beside 0, in multiples of the default")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.model = str(checkpoint.resolve(args.model))

@@ -1,15 +1,17 @@
 """The entry's audits: after each step it draws, with a secret random source, which stages' steps to
-check; a worker thread commissions a peer auditor (`audit.peer`, drawn the same way) to have each drawn
-stage reveal the session up to that step to it, examine the reveal against the commitments the entry
-holds and recompute it, and checks some of its passes with a second auditor; or, told to
-(`runtime_for`), asks for the reveal and recomputes here. A stage caught is banned at once (`on_caught`)
-and the signed evidence goes to the coordinator, which checks it and excludes the stage swarm-wide.
+check. When the session ends, each stage with a step drawn is audited once, up to its last drawn step (an
+audit checks every step up to the one it asks for, so the later draw covers the earlier ones: a long
+session costs one replay a stage, not one per draw), and a stage on probation (`probation`: few audits
+passed, as the swarm and this entry know it) up to the session's last step. A worker thread commissions a
+peer auditor (`audit.peer`, drawn the same way) to have the stage reveal the session to it, examine the
+reveal against the commitments the entry holds and recompute it, and checks some of its passes with a
+second auditor; or, told to (`runtime_for`), asks for the reveal and recomputes here. A stage caught is
+banned at once (`on_caught`) and the signed evidence goes to the coordinator, which checks it and
+excludes the stage swarm-wide.
 
-Audits run off the critical path: the generation goes on while they run, and the stages cannot tell an
-audited step from any other (the draw happens after the step, here). A caller that must not return
-unaudited text waits with `settle` for the audits of its sessions; there, a stage on probation
-(`probation`: few audits passed, as the swarm and this entry know it) has the whole session audited too.
-Each audit passed is reported to the coordinator's ledger (`vouch`).
+Audits run off the critical path, and the stages cannot tell an audited step from any other (the draw
+happens after the step, here). A caller that must not return unaudited text waits with `settle` for the
+audits of its sessions. Each audit passed is reported to the coordinator's ledger (`vouch`).
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ class Auditor:
         self.standing, self._vouch = standing, vouch or self._vouch_to_coordinator
         self.passed: dict[str, int] = {}  # stage -> audits it passed here
         self._vouching = 0  # passes on their way to the coordinator
+        self._vouched: dict[tuple[str, str], int] = {}  # (coordinator, stage) -> passes it took from this entry
         self.rng = rng or random.SystemRandom()  # the stages must not be able to predict the draw
         self.counts = AuditCounts()
         self.verdicts: list[Verdict] = []  # the coordinator's answers to this entry's evidence
@@ -110,7 +113,8 @@ class Auditor:
         self._pending: dict[str, int] = defaultdict(int)  # session -> audits queued or running
         self._caught: dict[str, set[str]] = defaultdict(set)  # session -> stages caught in it
         self._unobserved: dict[str, set[int]] = defaultdict(set)  # session -> steps sent, results not awaited
-        self._drawn_whole: dict[str, set[str]] = defaultdict(set)  # session -> stages drawn for a whole audit
+        self._drawn: dict[str, dict[str, int]] = defaultdict(dict)  # session -> stage -> last step drawn
+        self._ended: set[str] = set()  # sessions whose audits are drawn
         self._done: set[str] = set()  # sessions settled: forgotten once their audits have run
         self._cond = threading.Condition()
         self._recomputing = threading.Lock()
@@ -133,14 +137,32 @@ class Auditor:
 
     def observe(self, session: str, commits: Sequence[Commit]) -> None:
         """A step's verified commitments (one per stage): keep them, and draw which to audit."""
-        drawn = []
         with self._cond:
+            drawn = self._drawn[session]
             for c in commits:
                 self._commits[session][c.stage].append(c)
                 if self.rate and self.rng.random() < self.rate:
-                    drawn.append(_Job(session, c.stage, c.step))
-                    self._pending[session] += 1
-        for job in drawn:
+                    drawn[c.stage] = max(c.step, drawn.get(c.stage, c.step))
+
+    def ended(self, session: str) -> None:
+        """The session ended (or its caller stopped waiting for it): audit each stage once, up to its last step
+        drawn, or the whole session for a stage drawn for that (`probation`). Once per session."""
+        with self._cond:
+            if session in self._ended:
+                return
+            self._ended.add(session)
+            drawn = self._drawn.get(session, {})
+            caught = set().union(*self._caught.values())
+            jobs = []
+            for stage, commits in self._commits.get(session, {}).items():
+                if not commits or stage in caught:
+                    continue
+                if self.rng.random() < probation.session_audit_chance(self.passes(stage), self.rate):
+                    jobs.append(_Job(session, stage, max(c.step for c in commits)))
+                elif stage in drawn:
+                    jobs.append(_Job(session, stage, drawn[stage]))
+            self._pending[session] += len(jobs)
+        for job in jobs:
             self._jobs.put(job)
 
     def unobserved(self, session: str, step: int) -> None:
@@ -150,11 +172,10 @@ class Auditor:
             self._unobserved[session].add(step)
 
     def settle(self, sessions: Sequence[str], timeout: float = SETTLE_S) -> set[str]:
-        """Audit the whole of `sessions` on stages on probation, wait for their audits (up to `timeout`); the
-        stages caught in them. The sessions are then forgotten (their state dropped once their last audit has
-        run). With `timeout` 0 nothing more is audited."""
-        if timeout > 0:
-            self._draw_whole(sessions)
+        """Wait for the audits of `sessions` (ended here if they were not), up to `timeout`; the stages caught in
+        them. The sessions are then forgotten (their state dropped once their last audit has run)."""
+        for session in sessions:
+            self.ended(session)
         with self._cond:
             self._cond.wait_for(lambda: not any(self._pending.get(s) for s in sessions), timeout)
             caught = set().union(*(self._caught.get(s, set()) for s in sessions))
@@ -171,27 +192,12 @@ class Auditor:
         with self._cond:
             return max(self.passed.get(stage, 0), self.standing(stage))
 
-    def _draw_whole(self, sessions: Sequence[str]) -> None:
-        """Draw, for each stage of each session, whether to audit the session whole (`probation`)."""
-        drawn = []
-        with self._cond:
-            caught = set().union(*self._caught.values())
-            for session in sessions:
-                for stage, commits in self._commits.get(session, {}).items():
-                    if not commits or stage in caught or stage in self._drawn_whole[session]:
-                        continue
-                    if self.rng.random() < probation.session_audit_chance(self.passes(stage), self.rate):
-                        self._drawn_whole[session].add(stage)
-                        drawn.append(_Job(session, stage, max(c.step for c in commits)))
-                        self._pending[session] += 1
-        for job in drawn:
-            self._jobs.put(job)
-
     def _drop_done(self) -> None:
         """(Under the lock.) Forget the settled sessions no audit is still running for."""
         for s in [s for s in self._done if not self._pending.get(s)]:
             self._done.discard(s)
-            for table in (self._commits, self._pending, self._caught, self._unobserved, self._drawn_whole):
+            self._ended.discard(s)
+            for table in (self._commits, self._pending, self._caught, self._unobserved, self._drawn):
                 table.pop(s, None)
 
     def accuse(self, evidence: Evidence) -> None:
@@ -342,14 +348,21 @@ class Auditor:
     def _vouch_to_coordinator(self, session: str, commit: Commit) -> None:
         """Tell the coordinator, in the node's loop: the generation waiting on this audit does not wait for it."""
         coordinator = self.coordinator()
-        if coordinator is not None and coordinator != self.node.peer_id:
-            with self._cond:
-                self._vouching += 1
-            self.node.spawn(self._vouch_async, coordinator, encode(Passed(session=session, commit=commit)))
+        if coordinator is None or coordinator == self.node.peer_id:
+            return
+        with self._cond:
+            if self._vouched.get((coordinator, commit.stage), 0) >= probation.PER_ENTRY:
+                return  # its ledger counts no more of this stage's passes from this entry
+            self._vouching += 1
+        self.node.spawn(self._vouch_async, coordinator, commit.stage, encode(Passed(session=session, commit=commit)))
 
-    async def _vouch_async(self, coordinator: str, body: bytes) -> None:
+    async def _vouch_async(self, coordinator: str, stage: str, body: bytes) -> None:
         try:
             await self.node.requests.request(coordinator, ids.PASSED, body, self._credits, timeout=VOUCH_DRAIN_S)
+            with self._cond:
+                if len(self._vouched) >= MAX_KNOWN:
+                    self._vouched.clear()
+                self._vouched[coordinator, stage] = self._vouched.get((coordinator, stage), 0) + 1
         except (RemoteError, NodeError, TimeoutError) as e:
             log.debug("the coordinator did not take a pass: %s", e)
         finally:

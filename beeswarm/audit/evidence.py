@@ -54,8 +54,9 @@ class Finding:
 
 
 def _digests(steps: Sequence[LoggedStep]) -> list[tuple[bytes, bytes, bytes]]:
-    return [(commitments.context(s.start, s.mask, s.keep), commitments.digest(s.input), commitments.digest(s.output))
-            for s in steps]
+    """Each step's (context, input, output) digests: those the stage kept from its commitment, or hashed here."""
+    return [s.digests or (commitments.context(s.start, s.mask, s.keep), commitments.digest(s.input),
+                          commitments.digest(s.output)) for s in steps]
 
 
 def reveal(key_pair: KeyPair, stage: str, entry: str, session: str, steps: Sequence[LoggedStep]) -> Revealed:

@@ -86,9 +86,8 @@ class PeerAuditService:
         c, commits = ask.commission, ask.commits
         if c.entry != peer or not commissioned(c, self.node.peer_id, c.stage, c.session, c.step):
             raise ProtocolError("an audit is asked by the session's entry, with its signed commission to this node")
-        if not commits or any(x.stage != c.stage or x.span != commits[0].span or x.step > c.step or
-                              not commitments.verify(x, c.entry, c.session) for x in commits) or \
-                max(x.step for x in commits) != c.step:
+        if not commits or any(x.stage != c.stage or x.span != commits[0].span or x.step > c.step for x in commits) \
+                or max(x.step for x in commits) != c.step:
             raise ProtocolError("the commitments are not the stage's, for the session up to the commissioned step")
         with self._one_at_a_time:
             self.audits += 1
@@ -104,6 +103,10 @@ class PeerAuditService:
                                                   detail=detail[:500]))
 
         def evidence(kind, detail: str, revealed: Revealed | None = None) -> Evidence:
+            # The signatures are checked only here: a pass of commitments the stage's own signed reveal matches
+            # is true whoever signed them, but evidence stands on the stage's signatures.
+            if not all(commitments.verify(x, c.entry, c.session) for x in commits):
+                raise ProtocolError("the commitments are not all signed by the stage")
             return sign_evidence(key, Evidence(kind=kind, accused=c.stage, accuser=me, entry=c.entry,
                                                session=c.session, span=commits[0].span, commits=commits,
                                                revealed=revealed, detail=detail[:500]))

@@ -191,6 +191,8 @@ class RemotePipeline:
                 self._request(stage, Close(session=session))
             except StageFailed as e:
                 log.debug("close: %s", e)
+        if self.auditor is not None and stages is None:
+            self.auditor.ended(session)  # its audits are drawn now, once per stage
 
     def _request(self, stage: Stage, msg: Message) -> Message:
         try:

@@ -399,7 +399,8 @@ class StageServer:
             input=item.input, output=commitments.digest(out), sig=b""))
         session.served += len(session.runtime.span) * step.hidden.shape[-2]
         self.step_log.record(session.key, LoggedStep(msg.step, msg.start, msg.mask, msg.keep,
-                                                     step.hidden.detach().to("cpu"), out))
+                                                     step.hidden.detach().to("cpu"), out,
+                                                     (commit.context, commit.input, commit.output)))
         return commit
 
     def _on_reveal(self, peer: str, msg: Reveal) -> Message:
