@@ -219,6 +219,7 @@ def test_contribute_exits_1_with_one_line_when_its_node_fails(tiny_llama, tmp_pa
 
 
 # the barrage ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # (13 s)
 def test_every_protocol_survives_a_barrage_and_generation_through_it_stays_exact(mesh, tiny_llama):
     bans = CountingBans()
 

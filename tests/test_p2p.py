@@ -75,6 +75,7 @@ def test_request_channel_and_stop_are_prompt(swarm):
         b.request(a.peer_id, "/test/echo/1", Ping(n=1), ECHOES, timeout=3)
 
 
+@pytest.mark.slow  # (8 s: a reader slower than the writer, on purpose)
 def test_slow_reader_does_not_get_its_stream_reset(swarm):
     """A channel handler that computes for 8 s before reading still gets every byte."""
     a, b = swarm(2, members=False)
@@ -97,6 +98,7 @@ def test_slow_reader_does_not_get_its_stream_reset(swarm):
     assert received == [chunk] * 4
 
 
+@pytest.mark.slow  # (8 s: outsiders given time to get in)
 def test_private_swarm_admits_only_peers_with_the_secret(swarm):
     secret = b"correct horse battery staple"
     insiders = swarm(2, secret=secret)

@@ -437,6 +437,7 @@ def wrong_judge(tree, node, logits, params, generator=None, depth=1, trials=None
     return None, int(torch.multinomial(p, 1, generator=generator))
 
 
+@pytest.mark.slow  # (14-28 s each: thousands of pipelined rounds)
 @pytest.mark.parametrize("exact", [True, False], ids=["multi-candidate-rejection", "wrong-rule"])
 def test_pipelined_sampling_leaves_the_target_distribution(tiny_models, exact, monkeypatch):
     """Three steps in flight, trees hung under the two likeliest leaves of those before: three tokens (the
