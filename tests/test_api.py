@@ -194,7 +194,11 @@ def test_dropped_streams_free_their_sessions_and_a_ninth_request_gets_429(served
         assert refused.status_code == 429, (served.health(), [list(it)[:6] for _, it in held[:2]])
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_error"
-        wait_for(lambda: all(s["sessions"] >= 1 for s in served.health()["route"]), 5, "sessions on the stages")
+        try:  # (the stages' session counts come with their heartbeats, a second apart)
+            wait_for(lambda: all(s["sessions"] >= 1 for s in served.health()["route"]), 10, "sessions on the stages")
+        except AssertionError:
+            print("/health when they did not show:", served.health())
+            raise
     finally:
         for response, _ in held:
             response.close()  # the client goes away mid-stream

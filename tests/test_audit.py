@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from beeswarm.audit import DEFAULT_RATE, commitments
 from beeswarm.audit.auditor import Auditor
-from beeswarm.audit.evidence import judge, sign_evidence
+from beeswarm.audit.evidence import judge, sign_evidence, sign_verdict
 from beeswarm.audit.faults import ENV, Fault, _token_direction
 from beeswarm.audit.peer import PeerAuditService, sign_commission
 from beeswarm.audit.probation import PROBATION_PASSES
@@ -32,7 +32,17 @@ from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import ProtocolError, RemoteError, encode, ids
-from beeswarm.protocol.audit import Commission, Evidence, Reveal, Revealed
+from beeswarm.protocol.audit import (
+    AuditAsk,
+    Audited,
+    AuditVerdict,
+    Commission,
+    Evidence,
+    Reveal,
+    Revealed,
+    Verdict,
+    commits_digest,
+)
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.session import Open, Opened
 from beeswarm.protocol.step import Result, Step
@@ -168,13 +178,13 @@ def test_honest_newcomers_pass_probation_then_are_audited_less_and_the_swarms_st
     assert auditor.settle([run(pipe, PROMPTS[0], 6)[0]]) == set() and auditor.counts.run == 0
 
 
-def peer_auditors(mesh, folder, stages, entry_node, count: int) -> list[PeerAuditService]:
+def peer_auditors(mesh, folder, stages, entry_node, count: int, kind=PeerAuditService) -> list[PeerAuditService]:
     """`count` contributors' audit services (their own copies of the layers), linked to the stages and the entry."""
     services = []
     for node in mesh(count, members=False, bootstrap=[]):
         for peer in (*stages, entry_node):
             node.connect(peer.addrs[0])
-        service = PeerAuditService(node, Layers(folder))
+        service = kind(node, Layers(folder))
         service.start()
         services.append(service)
     return services
@@ -208,6 +218,63 @@ def test_an_entry_without_layers_audits_through_peers_and_a_lax_auditor_is_caugh
     honest_commits = tuple(auditor._commits.get(session, {}).get(honest_stage, ()))
     wrongly = msgspec.structs.replace(false_pass, commits=honest_commits)
     assert judge(sign_evidence(pipe.node.identity.key_pair, wrongly), Layers(tiny_llama)).excluded == pipe.node.peer_id
+
+
+class AccusingAuditor(PeerAuditService):
+    """A lying auditor: it fetches the stage's reveal and says it recomputes wrong, without recomputing."""
+
+    def _audit(self, ask: AuditAsk) -> Audited:
+        c, key, me = ask.commission, self.node.identity.key_pair, self.node.peer_id
+        revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c),
+                                     reply_decoder(Revealed, limit=1 << 30), timeout=30)
+        verdict = sign_verdict(key, AuditVerdict(auditor=me, entry=c.entry, stage=c.stage, session=c.session,
+                                                 step=c.step, passed=False, commits=commits_digest(ask.commits),
+                                                 detail="made up"))
+        return Audited(verdict, sign_evidence(key, Evidence(
+            kind="wrong", accused=c.stage, accuser=me, entry=c.entry, session=c.session, span=ask.commits[0].span,
+            commits=ask.commits, revealed=revealed, detail="made up")))
+
+
+def test_an_auditor_that_accuses_honest_stages_is_convicted_and_they_are_cleared_at_the_entry(mesh, tiny_llama):
+    """The accusations act at once (the stages are caught here); the verdict on each finds it false, convicts the
+    auditor, and clears the stage at the entry: not caught, so its tokens stand and its receipts are given."""
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
+    (liar,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1, kind=AccusingAuditor)
+    auditor.runtime_for = None
+    auditor.auditors = lambda span, stage: [[liar.node.peer_id]]
+    cleared: dict[str, str] = {}
+    auditor.on_cleared = cleared.__setitem__
+
+    def coordinator(evidence: Evidence) -> Verdict:  # what the coordinator answers: `judge`'s verdict
+        judged = judge(evidence, Layers(tiny_llama))
+        return Verdict(excluded=judged.excluded, reason=judged.reason[:500])
+
+    auditor._report = coordinator
+    session, tokens = run(pipe, PROMPTS[1], 8)
+    assert tokens == reference_greedy(tiny_llama, PROMPTS[1], 8)
+    assert auditor.settle([session]) == set()  # newcomers, each audited whole, each accused, each cleared
+    assert set(cleared) == {s.peer_id for s in stages} and "false accusation" in next(iter(cleared.values()))
+    assert [v.excluded for v in auditor.verdicts] == [liar.node.peer_id] * 3
+    assert pipe.node.bans.is_banned(liar.node.peer_id) and auditor.counts.auditors_caught == 3
+
+
+@pytest.mark.parametrize("on_probation", [False, True], ids=["established", "on-probation"])
+def test_a_stage_that_died_mid_session_is_blamed_for_no_reveal_only_on_probation(mesh, tiny_llama, on_probation):
+    """A crash is no lie: an established stage that failed during the session (the entry went on without it)
+    and cannot reveal it is left unchecked, not caught, so the text already shown stands. A stage on probation
+    is caught: its tokens were held back, and are taken back."""
+    standing = 0 if on_probation else 100
+    pipe, auditor, stages, servers = swarm(mesh, tiny_llama, rate=1.0, standing=lambda stage: standing)
+    session = pipe.open(64)
+    generate(lambda t, s: pipe.forward(session, t, s), list(PROMPTS[0]), 4, SamplingParams())
+    dead = stages[1].peer_id
+    auditor.gone(session, dead)  # as SwarmClient does when a step on it fails
+    servers[1].stop()
+    stages[1].stop()
+    pipe.close_session(session)  # its audits are drawn: the dead stage's reveal cannot come
+    assert auditor.settle([session]) == ({dead} if on_probation else set())
+    c = auditor.counts
+    assert (c.refused, c.unchecked) == ((1, 0) if on_probation else (0, 1)) and c.passed == 2, c
 
 
 def test_a_stage_reveals_to_an_auditor_only_with_its_entrys_signed_commission(mesh, tiny_llama):

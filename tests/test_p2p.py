@@ -323,6 +323,9 @@ def test_bans_grow_with_each_ban_and_expire():
     assert bans.strike("p", "timed out", severe=True)  # one severe strike bans at once, for twice as long
     assert bans.remaining("p") == 2 * BASE_S
     assert not bans.is_banned("q")
+    bans.lift("p")  # banned on a word found false: served again, its next ban the shortest again
+    assert not bans.is_banned("p")
+    assert bans.strike("p", "timed out", severe=True) and bans.remaining("p") == BASE_S
 
 
 def test_strikes_from_endless_new_identities_keep_the_ban_list_bounded_and_bans_in_force():

@@ -66,7 +66,7 @@ class AuditCounts:
     failed: int = 0  # caught: evidence sent
     refused: int = 0  # no checkable reveal: banned here, nobody else told
     unchecked: int = 0  # no auditor could recompute it (nor this entry): the stage is not blamed
-    auditors_caught: int = 0  # peer auditors that passed a stage a second opinion caught
+    auditors_caught: int = 0  # peer auditors caught lying: a pass a second opinion proved wrong, a false accusation
 
     def as_json(self) -> dict[str, int]:
         return asdict(self)
@@ -83,15 +83,17 @@ class Auditor:
     def __init__(self, node: Node, runtime_for: Callable[[Span], SpanRuntime] | None, rate: float = DEFAULT_RATE,
                  on_caught: Callable[[str, str], None] = lambda peer, why: None,
                  coordinator: Callable[[], str | None] = lambda: None, rng: random.Random | None = None,
-                 report: Callable[[Evidence], None] | None = None,
+                 report: Callable[[Evidence], Verdict | None] | None = None,
+                 on_cleared: Callable[[str, str], None] = lambda peer, why: None,
                  standing: Callable[[str], int] = lambda stage: 0,
                  vouch: Callable[[str, Commit], None] | None = None,
                  auditors: Callable[[Span, str], list[list[str]]] = lambda span, stage: [],
                  second_opinion: float = SECOND_OPINION):
         """`runtime_for(span)`: the span's layers to recompute with here (loaded on first use), or None: peer
         auditors recompute; `on_caught(peer, why)`: a stage failed an audit or refused one; `coordinator()`: whom
-        to send evidence to; `report`: what is done with signed evidence (by default, it goes to the coordinator
-        and its verdict is kept); `standing(stage)`: the audits the swarm knows it passed (the plan's);
+        to send evidence to; `report`: what is done with signed evidence (by default, it goes to the coordinator),
+        returning the verdict on it, if any; `on_cleared(peer, why)`: the verdict on a peer auditor's accusation
+        of `peer` found it false; `standing(stage)`: the audits the swarm knows it passed (the plan's);
         `vouch(session, commit)`: what is done with a pass (by default, it goes to the coordinator);
         `auditors(span, stage)`: the peers that may audit `stage` on `span`, in tiers (an auditor is drawn at
         random from the first tier that answers); `second_opinion`: the chance a peer auditor's pass is checked
@@ -100,7 +102,7 @@ class Auditor:
             raise ValueError(f"the audit rate is a probability, got {rate}")
         self.node, self.runtime_for, self.rate = node, runtime_for, rate
         self.auditors, self.second_opinion = auditors, second_opinion
-        self.on_caught, self.coordinator = on_caught, coordinator
+        self.on_caught, self.on_cleared, self.coordinator = on_caught, on_cleared, coordinator
         self._report = report or self._send_to_coordinator
         self.standing, self._vouch = standing, vouch or self._vouch_to_coordinator
         self.passed: dict[str, int] = {}  # stage -> audits it passed here
@@ -114,6 +116,7 @@ class Auditor:
         self._caught: dict[str, set[str]] = defaultdict(set)  # session -> stages caught in it
         self._unobserved: dict[str, set[int]] = defaultdict(set)  # session -> steps sent, results not awaited
         self._drawn: dict[str, dict[str, int]] = defaultdict(dict)  # session -> stage -> last step drawn
+        self._gone: dict[str, set[str]] = defaultdict(set)  # session -> stages that failed in it
         self._ended: set[str] = set()  # sessions whose audits are drawn
         self._done: set[str] = set()  # sessions settled: forgotten once their audits have run
         self._cond = threading.Condition()
@@ -143,6 +146,13 @@ class Auditor:
                 self._commits[session][c.stage].append(c)
                 if self.rate and self.rng.random() < self.rate:
                     drawn[c.stage] = max(c.step, drawn.get(c.stage, c.step))
+
+    def gone(self, session: str, stage: str) -> None:
+        """`stage` failed during `session` (died, timed out: the entry went on without it). If it then cannot
+        reveal the session, it is not blamed (`unchecked`): its text was shown and a crash is no lie. A stage on
+        probation is, and its tokens, held back until its audit, are taken back."""
+        with self._cond:
+            self._gone[session].add(stage)
 
     def ended(self, session: str) -> None:
         """The session ended (or its caller stopped waiting for it): audit each stage once, up to its last step
@@ -197,14 +207,14 @@ class Auditor:
         for s in [s for s in self._done if not self._pending.get(s)]:
             self._done.discard(s)
             self._ended.discard(s)
-            for table in (self._commits, self._pending, self._caught, self._unobserved, self._drawn):
+            for table in (self._commits, self._pending, self._caught, self._unobserved, self._drawn, self._gone):
                 table.pop(s, None)
 
     def accuse(self, evidence: Evidence) -> None:
         """Sign and send evidence found on the data path (a broken chain of commitments)."""
         self._count("failed")
         signed = sign_evidence(self.node.identity.key_pair, evidence)
-        threading.Thread(target=self._report, args=(signed,), name="evidence", daemon=True).start()
+        threading.Thread(target=self._report_and_act, args=(signed,), name="evidence", daemon=True).start()
 
     # the worker ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -240,6 +250,8 @@ class Auditor:
             return
         auditor, answer = first
         if not answer.verdict.passed:
+            if answer.evidence is not None and answer.evidence.kind == "refused" and self._excused(job):
+                return
             self._failed(job, answer.evidence, f"auditor {auditor}")
             return
         if self.rng.random() < (1.0 if self.on_probation(job.stage) else self.second_opinion):
@@ -293,6 +305,8 @@ class Auditor:
             log.warning("cannot check %s's step %d here: %s", job.stage, job.step, e)
             return
         except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
+            if self._excused(job):
+                return
             self._failed(job, Evidence(kind="refused", accused=job.stage, accuser=self.node.peer_id,
                                        session=job.session, span=commits[0].span, commits=tuple(commits),
                                        detail=str(e)[:500]), "this entry")
@@ -301,6 +315,16 @@ class Auditor:
             self._passed(job, commits)
             return
         self._failed(job, _evidence(job, self.node.peer_id, commits, revealed, finding), "this entry")
+
+    def _excused(self, job: _Job) -> bool:
+        """Whether a stage that did not reveal is excused (`gone`): then the audit is counted unchecked."""
+        with self._cond:
+            gone = job.stage in self._gone.get(job.session, ())
+        if not gone or self.on_probation(job.stage):
+            return False
+        self._count("unchecked")
+        log.info("%s failed during the session and cannot reveal its step %d: left unchecked", job.stage, job.step)
+        return True
 
     def _passed(self, job: _Job, commits: list[Commit]) -> None:
         self._count("passed")
@@ -323,7 +347,7 @@ class Auditor:
                              f"({by}): {evidence.detail}")
         if evidence.accuser == self.node.peer_id:
             evidence = sign_evidence(self.node.identity.key_pair, evidence)
-        self._report(evidence)
+        self._report_and_act(evidence)
 
     def _false_pass(self, auditor: str, verdict: AuditVerdict, commits: tuple[Commit, ...], caught: Evidence) -> None:
         """`auditor` passed what a second auditor's evidence shows wrong: evidence against it, its own signed pass."""
@@ -331,7 +355,7 @@ class Auditor:
         why = f"passed {verdict.stage}'s step {verdict.step}, which recomputes wrong"
         log.warning("auditor %s %s", auditor, why)
         self.node.bans.strike(auditor, why, severe=True)
-        self._report(sign_evidence(self.node.identity.key_pair, Evidence(
+        self._report_and_act(sign_evidence(self.node.identity.key_pair, Evidence(
             kind="false_pass", accused=auditor, accuser=self.node.peer_id, session=caught.session, span=caught.span,
             commits=commits, revealed=caught.revealed, verdict=verdict, detail=why)))
 
@@ -370,19 +394,34 @@ class Auditor:
                 self._vouching -= 1
                 self._cond.notify_all()
 
-    def _send_to_coordinator(self, evidence: Evidence) -> None:
-        coordinator = self.coordinator()
-        if coordinator is None:
-            log.warning("no coordinator to send the evidence against %s to", evidence.accused)
-            return
-        try:
-            verdict = self.node.request(coordinator, ids.EVIDENCE, evidence, self._verdicts, timeout=120.0,
-                                        limit=self.node.config.max_tensor_bytes)  # it carries the reveal
-        except (RemoteError, NodeError, TimeoutError) as e:
-            log.warning("the coordinator did not take the evidence against %s: %s", evidence.accused, e)
+    def _report_and_act(self, evidence: Evidence) -> None:
+        """Report the evidence; when the verdict finds a peer auditor's accusation false, the stage it accused
+        is cleared here (it is not banned, nor are its receipts withheld) and the auditor struck instead."""
+        verdict = self._report(evidence)
+        if verdict is None:
             return
         self.verdicts.append(verdict)
         log.info("coordinator's verdict: %s excluded (%s)", verdict.excluded or "nobody", verdict.reason)
+        if verdict.excluded and verdict.excluded == evidence.accuser != self.node.peer_id:
+            self._count("auditors_caught")
+            self.node.bans.strike(evidence.accuser, verdict.reason, severe=True)
+            with self._cond:
+                for stages in self._caught.values():
+                    stages.discard(evidence.accused)
+            self.on_cleared(evidence.accused, verdict.reason)
+
+    def _send_to_coordinator(self, evidence: Evidence) -> Verdict | None:
+        coordinator = self.coordinator()
+        if coordinator is None:
+            log.warning("no coordinator to send the evidence against %s to", evidence.accused)
+            return None
+        try:
+            verdict: Verdict = self.node.request(coordinator, ids.EVIDENCE, evidence, self._verdicts, timeout=120.0,
+                                                 limit=self.node.config.max_tensor_bytes)  # it carries the reveal
+        except (RemoteError, NodeError, TimeoutError) as e:
+            log.warning("the coordinator did not take the evidence against %s: %s", evidence.accused, e)
+            return None
+        return verdict
 
 
 def _evidence(job: _Job, me: str, commits: list[Commit], revealed: Revealed, finding: Finding) -> Evidence:

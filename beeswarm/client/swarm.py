@@ -238,7 +238,8 @@ class SwarmClient:
         self._audit_runtimes: dict[tuple[Span, str], SpanRuntime] = {}
         self._audit_lock = threading.Lock()
         self.auditor = Auditor(node, self._audit_runtime if self.options.audit_here else None, self.options.audit_rate,
-                               self._caught, coordinator.leader, standing=self._standing, auditors=self._auditors) \
+                               self._caught, coordinator.leader, standing=self._standing, auditors=self._auditors,
+                               on_cleared=self._cleared) \
             if self.options.audit_rate > 0 else None
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
         self.receipts = ReceiptBook(node, swarm_id(node.config.swarm, str(entry.ref)), payer)
@@ -291,6 +292,13 @@ class SwarmClient:
             pipes = list(self._pipes.values())
         for pipe in pipes:
             pipe.lose(peer, why)
+
+    def _cleared(self, peer: str, why: str) -> None:
+        """An auditor's accusation of `peer` was found false: it is not caught, nor banned, here."""
+        log.warning("stage %s cleared: %s", peer, why)
+        with self._lock:
+            self.caught.pop(peer, None)
+        self.node.bans.lift(peer)
 
     @classmethod
     def create(cls, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None, interval: float = 3.0,
@@ -484,6 +492,10 @@ class SwarmClient:
                              max_length)
             except EndGeneration:
                 pass  # the caller has what it wants: a normal end
+            except StageFailed as e:
+                if self.auditor:  # (before closing draws the session's audits) a crash is no refusal to reveal
+                    self.auditor.gone(session, e.peer)
+                raise
             finally:
                 pipe.close_session(session)
         except StageBusy as e:  # a full stage is not a broken one

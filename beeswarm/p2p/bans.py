@@ -50,6 +50,11 @@ class BanList:
         for _, peer in idle[:max(1, len(self._records) - MAX_RECORDS // 2)]:
             del self._records[peer]
 
+    def lift(self, peer: str) -> None:
+        """End `peer`'s ban and forget its strikes: it was banned on a word later found false."""
+        with self._lock:
+            self._records.pop(peer, None)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._records)
