@@ -150,7 +150,7 @@ class Auditor:
     def gone(self, session: str, stage: str) -> None:
         """`stage` failed during `session` (died, timed out: the entry went on without it). If it then cannot
         reveal the session, it is not blamed (`unchecked`): its text was shown and a crash is no lie. A stage on
-        probation is, and its tokens, held back until its audit, are taken back."""
+        probation still is: its tokens were held back until its audit, and are taken back."""
         with self._cond:
             self._gone[session].add(stage)
 
