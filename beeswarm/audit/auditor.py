@@ -162,7 +162,7 @@ class Auditor:
                 return
             self._ended.add(session)
             drawn = self._drawn.get(session, {})
-            caught = set().union(*self._caught.values())
+            caught = self._caught_anywhere()
             jobs = []
             for stage, commits in self._commits.get(session, {}).items():
                 if not commits or stage in caught:
@@ -233,7 +233,8 @@ class Auditor:
         with self._cond:
             commits = [c for c in self._commits[job.session][job.stage] if c.step <= job.step]
             unobserved = frozenset(self._unobserved[job.session])
-        if job.stage in {p for caught in self._caught.values() for p in caught}:
+            caught = job.stage in self._caught_anywhere()
+        if caught:
             return  # caught already
         self._count("run")
         if self.runtime_for is not None:
@@ -362,6 +363,10 @@ class Auditor:
     def _count(self, what: str) -> None:
         with self._cond:
             setattr(self.counts, what, getattr(self.counts, what) + 1)
+
+    def _caught_anywhere(self) -> set[str]:
+        """(Under the lock.) The stages caught in any session kept here."""
+        return set().union(*self._caught.values())
 
     def _caught_in(self, job: _Job, why: str) -> None:
         log.warning("stage %s %s", job.stage, why)
