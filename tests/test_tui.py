@@ -18,7 +18,7 @@ from beeswarm.tui.chat_app import ChatApp
 from beeswarm.tui.widgets.status_bar import StatusBar
 from beeswarm.tui.widgets.swarm_panel import SwarmPanel
 from beeswarm.tui.widgets.transcript import Transcript
-from helpers import LOCAL, threads_left, until
+from helpers import LOCAL, threads_left, until, wait_for
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
@@ -115,6 +115,9 @@ def test_chat_screen_snapshot(swarm_client, snap_compare):
     """The chat screen after /help, before any reply (so every figure on it is fixed; the audit counts of the
     earlier tests' replies are random draws, so they start again from zero). The prompt's cursor holds still: a
     blinking one is drawn or not depending on when the screenshot falls (one CI run caught it hidden)."""
+    # an earlier reply stopped mid-way has its audits drawn when its session ends and not waited for: let them end
+    # first, or one counts after the reset and shows on the screen
+    wait_for(lambda: not any(swarm_client.auditor._pending.values()), 60, "the earlier replies' audits")
     swarm_client.auditor.counts = AuditCounts()
 
     def steady_cursor(pilot) -> None:
