@@ -42,7 +42,7 @@ from beeswarm.protocol.membership import Beat, NodeInfo
 from beeswarm.protocol.probe import Download, Ping, Upload
 from beeswarm.protocol.session import Close, Open
 from beeswarm.protocol.spans import Span
-from beeswarm.protocol.step import Commit, Keep, Result, Step, StepError
+from beeswarm.protocol.step import CacheState, Commit, Keep, Result, Step, StepError
 
 GOSSIPSUB = "/meshsub/1.0.0"
 PING = "/ipfs/ping/1.0.0"
@@ -130,6 +130,7 @@ def _session(rng: random.Random, ctx: Context) -> bytes:
 def _step(rng: random.Random, ctx: Context) -> bytes:
     valid = Step(entry=_peer_id(rng, ctx), session=f"s{rng.randint(0, 9)}", step=rng.randint(0, 10**6),
                  start=rng.randint(0, 64), frame=_frame_bytes(rng), mask=rng.choice([None, b"m"]),
+                 expect=CacheState(rng.randint(0, 64), rng.randint(0, 3)), held=rng.choice([0, 0, 1, 70000]),
                  keep=rng.choice([None, Keep(0, (1, 2)), Keep(5, ())]))
     return _wrong_map(rng, valid, ("step",)) if rng.random() < 0.8 else encode(valid)
 

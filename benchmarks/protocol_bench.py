@@ -17,7 +17,7 @@ import msgpack
 
 from beeswarm.protocol import Decoder, Span, encode
 from beeswarm.protocol.membership import Heartbeat, NodeInfo
-from beeswarm.protocol.step import Keep, Step
+from beeswarm.protocol.step import CacheState, Keep, Step
 
 PEER = "12D3KooWGJ8Zz1xAfS1dw3QV2uSLkD1zK7nV7V8V3xFqQ9N7hBee"
 
@@ -55,7 +55,8 @@ def old_step(frame: bytes) -> Callable[[], object]:
 
 def new_step(frame: bytes) -> Callable[[], object]:
     steps = Decoder(Step, limit=1 << 28)
-    body = encode(Step(entry=PEER, session="a" * 16, step=7, start=40, frame=frame, keep=Keep(40, (0, 1, 2))))
+    body = encode(Step(entry=PEER, session="a" * 16, step=7, start=40, frame=frame, keep=Keep(40, (0, 1, 2)),
+                        expect=CacheState(43, 2)))
 
     def run() -> object:
         msg = steps.decode(body)

@@ -45,7 +45,7 @@ from beeswarm.protocol.audit import (
 )
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.session import Open, Opened
-from beeswarm.protocol.step import Result, Step
+from beeswarm.protocol.step import CacheState, Result, Step
 from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.speculate import speculative_generate
@@ -374,7 +374,8 @@ def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh,
     entry.request(stages[1].peer_id, ids.SESSION, Open(session=session, max_length=16, prev=liar.peer_id,
                                                       span=Span(3, 5)), reply_decoder(Opened))
     hidden = torch.randn(2, 64)
-    step = Step(entry=entry.peer_id, session=session, step=0, start=0, frame=tensors.encode(hidden))
+    step = Step(entry=entry.peer_id, session=session, step=0, start=0, frame=tensors.encode(hidden),
+                expect=CacheState(0, 0))
     pipe.inbox.expect((session, 0))
     liar.open_channel(stages[1].peer_id, ids.STEP).send(encode(step))
     got = pipe.inbox.wait((session, 0), 10)

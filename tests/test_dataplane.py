@@ -14,7 +14,7 @@ from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.protocol import encode, ids
 from beeswarm.protocol.coordinator import Stage
-from beeswarm.protocol.step import Keep, Step
+from beeswarm.protocol.step import CacheState, Keep, Step
 from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
 from helpers import reference_greedy, wait_for
 
@@ -92,19 +92,26 @@ def test_hostile_steps_get_errors_and_other_sessions_keep_working(chain, tiny_ll
     good = pipe.open(32)
     first = generate(lambda t, s: pipe.forward(good, t, s), [1, 2, 3], 4, SamplingParams()).tokens
 
-    bad = pipe.open(8)
     with pytest.raises(StageFailed, match="past max_length"):
-        pipe.forward(bad, torch.arange(12), 0)
-    with pytest.raises(StageFailed, match="start 5 is past"):
-        pipe.forward(bad, torch.tensor([1]), 5)
+        pipe.forward(pipe.open(8), torch.arange(12), 0)
+    failed = pipe.open(8)
     with pytest.raises(StageFailed, match="tree mask: .* above the 1-byte limit"):  # a window before position 0
-        pipe.forward(bad, torch.tensor([1]), 0, tree_mask=torch.ones(1, 3, dtype=torch.bool))
-    with pytest.raises(StageFailed, match="unknown session"):
+        pipe.forward(failed, torch.tensor([1]), 0, tree_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="a step of it failed"):  # its cache is in no state the entry can name
+        pipe.forward(failed, torch.tensor([1]), 0)
+    with pytest.raises(ValueError, match="not open on this pipeline"):
         pipe.forward("no-such-session", torch.tensor([1]), 0)
+    bad = pipe.open(8)
     # wrong shape and dtype, garbage, and a frame that is not a frame, straight onto the first stage
     # Well-formed steps with wrong contents get error replies (no strike: the entry's own session).
     channel = entry_node.open_channel(route[0].node, ids.STEP)
-    step = Step(entry=entry_node.peer_id, session=bad, step=10**6, start=0, frame=tensors.encode(torch.zeros(1, 64)))
+    step = Step(entry=entry_node.peer_id, session=bad, step=10**6, start=0, frame=tensors.encode(torch.zeros(1, 64)),
+                expect=CacheState(0, 0))
+    # a step expecting a cache the session's is not in (a step before it lost): refused, nothing run
+    pipe.inbox.expect((bad, 7))
+    channel.send(encode(msgspec.structs.replace(step, step=7, expect=CacheState(12, 1))))
+    _, refused, _ = pipe.inbox.wait((bad, 7), 10)
+    assert refused.stale and "expects a cache of 12 positions after 1 keeps" in refused.error
     for frame in (tensors.encode(torch.zeros(2, 3)), tensors.encode(torch.zeros(2, 64, dtype=torch.int64)), b"junk"):
         channel.send(encode(msgspec.structs.replace(step, frame=frame)))
     channel.send(encode(msgspec.structs.replace(step, keep=Keep(0, (99,)))))  # a kept node out of range

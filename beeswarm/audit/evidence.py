@@ -62,7 +62,7 @@ def _digests(steps: Sequence[LoggedStep]) -> list[tuple[bytes, bytes, bytes]]:
 def reveal(key_pair: KeyPair, stage: str, entry: str, session: str, steps: Sequence[LoggedStep]) -> Revealed:
     """A stage's signed reveal of `steps` (frames in the stateless codec, compressed where it pays)."""
     unsigned = Revealed(stage=stage, session=session, steps=tuple(
-        RevealedStep(s.step, s.start, s.mask, s.keep, tensors.encode(s.input), tensors.encode(s.output))
+        RevealedStep(s.step, s.start, s.mask, s.keep, tensors.encode(s.input), tensors.encode(s.output), s.held)
         for s in steps))
     return msgspec.structs.replace(unsigned, sig=sign_bytes(
         key_pair, reveal_body(entry, unsigned, _digests(steps))))
@@ -72,7 +72,7 @@ def read_reveal(revealed: Revealed, entry: str, max_bytes: int) -> list[LoggedSt
     """The revealed steps as tensors, once their signature checks; RevealRefused otherwise."""
     try:
         steps = [LoggedStep(s.step, s.start, s.mask, s.keep, tensors.decode(s.input, max_bytes=max_bytes),
-                            tensors.decode(s.output, max_bytes=max_bytes)) for s in revealed.steps]
+                            tensors.decode(s.output, max_bytes=max_bytes), held=s.held) for s in revealed.steps]
     except (codec.CodecError, ProtocolError, ValueError, RuntimeError) as e:
         raise RevealRefused(f"undecodable reveal: {e}") from None
     if not verify_bytes(revealed.stage, reveal_body(entry, revealed, _digests(steps)), revealed.sig):

@@ -52,7 +52,7 @@ def replay(runtime: SpanRuntime, steps: Sequence[LoggedStep]) -> list[torch.Tens
     pass of up to MERGE_TOKENS tokens, as a prefill of them would: the same attention over the same cache, one
     forward instead of one per token (most of an audit's time was the per-pass overhead)."""
     key = f"audit/{os.urandom(8).hex()}"
-    max_length = max(s.start + s.input.shape[0] for s in steps)
+    max_length = max(s.start + max(s.held, s.input.shape[0]) for s in steps)
     runtime.open(key, min(max_length, runtime.config.max_position_embeddings))
     try:
         outputs: list[torch.Tensor] = []
@@ -60,6 +60,10 @@ def replay(runtime: SpanRuntime, steps: Sequence[LoggedStep]) -> list[torch.Tens
             first = group[0]
             if first.keep is not None:
                 runtime.keep(key, first.keep.start, list(first.keep.indices))
+            if first.held:  # cancelled at the stage: its keep applied and its positions held, nothing computed
+                runtime.hold(key, first.start, first.held)
+                outputs.append(first.output)
+                continue
             mask = tensors.decode_mask(first.mask, first.input.shape[0], first.start)
             hidden = first.input if len(group) == 1 else torch.cat([s.input for s in group])
             out = runtime.step([StepInput(key, hidden, first.start, mask)])[0].to("cpu")
@@ -70,12 +74,13 @@ def replay(runtime: SpanRuntime, steps: Sequence[LoggedStep]) -> list[torch.Tens
 
 
 def _runs(steps: Sequence[LoggedStep]) -> list[list[LoggedStep]]:
-    """`steps` in the groups a replay runs as one pass each: a step with a tree mask alone; a plain one with the
-    plain steps after it that start where it ends and bring no kept path (MERGE_TOKENS at most)."""
+    """`steps` in the groups a replay runs as one pass each: a step with a tree mask, or held, alone; a plain one
+    with the plain steps after it that start where it ends and bring no kept path (MERGE_TOKENS at most)."""
     runs: list[list[LoggedStep]] = []
     for s in steps:
         last = runs[-1] if runs else None
         if last is not None and last[0].mask is None and s.mask is None and s.keep is None and \
+                not last[0].held and not s.held and \
                 s.start == last[-1].start + last[-1].input.shape[0] and \
                 s.start + s.input.shape[0] - last[0].start <= MERGE_TOKENS:
             last.append(s)

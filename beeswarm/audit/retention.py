@@ -28,6 +28,13 @@ class LoggedStep:
     input: torch.Tensor  # on the host
     output: torch.Tensor
     digests: tuple[bytes, bytes, bytes] | None = None  # (context, input, output) as committed: a reveal signs them
+    held: int = 0  # > 0: cancelled, not computed: its keep applied and this many positions held (no input, output)
+
+    @classmethod
+    def held_step(cls, step: int, start: int, mask: bytes | None, keep: Keep | None, positions: int) -> LoggedStep:
+        """A step the stage did not compute (`Step.held`): what a replay must apply all the same."""
+        nothing = torch.empty(0)
+        return cls(step, start, mask, keep, nothing, nothing, held=positions)
 
     @property
     def nbytes(self) -> int:

@@ -28,7 +28,7 @@ from beeswarm.protocol import Decoder, Message, ProtocolError, RemoteError, enco
 from beeswarm.protocol.audit import Evidence
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.session import Close, Closed, Open, Opened
-from beeswarm.protocol.step import Keep, Result, Step, StepError
+from beeswarm.protocol.step import CacheState, Keep, Result, Step, StepError
 from beeswarm.shard import tensors
 from beeswarm.shard.entry import EntryModel
 
@@ -110,6 +110,11 @@ class StageFailed(Exception):
         self.peer = peer
 
 
+class OutOfStep(StageFailed):
+    """A stage's cache for the session is not in the state the entry assumed for a step (`Step.expect`): something
+    on the way was lost or reordered. Nothing ran on the wrong cache; the session starts over, nobody is blamed."""
+
+
 class StageBusy(StageFailed):
     """A healthy stage cannot take a session now: its KV memory or session slots are taken, or it does not
     serve the span the entry's plan names (yet, or any more)."""
@@ -150,6 +155,7 @@ class RemotePipeline:
         self._step_ids = itertools.count()
         self.auditor, self.receipts = auditor, receipts
         self._sent: dict[tuple[str, int], SentStep] = {}
+        self._caches: dict[str, CacheState] = {}  # session -> its stages' cache once every step sent has run
 
     def close(self) -> None:
         if self._on_disconnected in self.node.on_peer_disconnected:
@@ -181,11 +187,13 @@ class RemotePipeline:
             except StageFailed:
                 self.close_session(session, self.route[:i])
                 raise
+        self._caches[session] = CacheState(0, 0)
         return session
 
     def close_session(self, session: str, stages: Route | None = None) -> None:
         for key in [k for k in list(self._sent) if k[0] == session]:  # steps never awaited (a failure)
             self._sent.pop(key, None)
+        self._caches.pop(session, None)
         for stage in self.route if stages is None else stages:
             try:
                 self._request(stage, Close(session=session))
@@ -217,14 +225,16 @@ class RemotePipeline:
         if self.mode == "push" and micro_batches > 1 and tree_mask is None and len(token_ids) >= 2 * micro_batches:
             steps, position = [], start
             for chunk in torch.tensor_split(token_ids, micro_batches):
+                chunk_keep = kept if position == start else None
                 steps.append(self._send_step(self.route[0], session, self.entry.embed(chunk), position, None,
-                                             kept if position == start else None))
+                                             chunk_keep, self._advance(session, position, len(chunk), chunk_keep)))
                 position += len(chunk)
             return self.entry.logits(torch.cat([self._await(session, step, self.route[0])[0] for step in steps]))
         hidden = self.entry.embed(token_ids)
         stages = self.route if self.mode == "hops" else self.route[:1]
+        expect = self._advance(session, start, len(token_ids), kept)  # each stage's cache, in either mode
         for stage in stages:
-            step = self._send_step(stage, session, hidden, start, tree_mask, kept)
+            step = self._send_step(stage, session, hidden, start, tree_mask, kept, expect)
             hidden = self._await(session, step, stage)[0]
         return self.entry.logits(hidden)
 
@@ -236,7 +246,8 @@ class RemotePipeline:
         if self.mode != "push":
             raise ValueError("steps in flight need the push chain")
         kept = None if keep is None else Keep(keep[0], tuple(keep[1]))
-        return self._send_step(self.route[0], session, self.entry.embed(token_ids), start, tree_mask, kept, cancel)
+        return self._send_step(self.route[0], session, self.entry.embed(token_ids), start, tree_mask, kept,
+                               self._advance(session, start, len(token_ids), kept), cancel)
 
     def collect(self, session: str, step: int) -> tuple[torch.Tensor, float]:
         """A submitted step's logits, and when its result arrived (perf_counter seconds)."""
@@ -250,11 +261,21 @@ class RemotePipeline:
         if self.auditor is not None:
             self.auditor.unobserved(session, step)
 
+    def _advance(self, session: str, start: int, positions: int, keep: Keep | None) -> CacheState:
+        """The state the stages' cache for `session` is in when a step arrives (its `expect`); the session's
+        moves on to the state after the step. A step cancelled later moves it the same: the stages hold it."""
+        try:
+            before = self._caches[session]
+        except KeyError:
+            raise ValueError(f"session {session!r} is not open on this pipeline, or a step of it failed") from None
+        self._caches[session] = before.after(start, positions, keep)
+        return before
+
     def _send_step(self, stage: Stage, session: str, hidden: torch.Tensor, start: int,
-                   tree_mask: torch.Tensor | None, keep: Keep | None, cancel: bool = False) -> int:
+                   tree_mask: torch.Tensor | None, keep: Keep | None, expect: CacheState, cancel: bool = False) -> int:
         step = next(self._step_ids)
         frame = tensors.encode(hidden, self.links[stage.node], "auto" if self.compress else "raw")
-        msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame,
+        msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame, expect=expect,
                    mask=tensors.encode_mask(tree_mask), keep=keep, cancel=cancel)
         self._sent[(session, step)] = SentStep(commitments.context(start, msg.mask, keep), commitments.digest(hidden),
                                             start, hidden.shape[-2])
@@ -282,7 +303,8 @@ class RemotePipeline:
         if isinstance(reply, StepError):
             nodes = {s.node for s in self.route}
             culprit = reply.culprit if reply.culprit in nodes else sender if sender in nodes else stage.node
-            raise StageFailed(culprit, reply.error)
+            self._caches.pop(session, None)  # in a state nobody can name now: the session takes no more steps
+            raise (OutOfStep if reply.stale else StageFailed)(culprit, reply.error)
         if sender != last.node:
             raise StageFailed(last.node, f"result came from {sender}, not the route's stage")
         try:

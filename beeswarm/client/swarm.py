@@ -14,17 +14,16 @@ from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-import torch
 from libp2p.crypto.keys import KeyPair
 
 from beeswarm import codec
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.auditor import AuditCounts, Auditor
 from beeswarm.client.receipts import ReceiptBook
-from beeswarm.client.remote import Inbox, RemotePipeline, Route, SessionSteps, StageBusy, StageFailed
+from beeswarm.client.remote import Inbox, OutOfStep, RemotePipeline, Route, SessionSteps, StageBusy, StageFailed
 from beeswarm.coordinator.follower import PlanFollower
-from beeswarm.generation.generate import EndGeneration, Generation, generate, new_generator
-from beeswarm.generation.sampling import SamplingParams
+from beeswarm.generation.generate import EndGeneration, Generation, generate
+from beeswarm.generation.sampling import Noise, SamplingParams, new_noise
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
@@ -89,10 +88,10 @@ class Request:
 
 @dataclass
 class Progress:
-    """A generation across its attempts: the tokens that stand, the sampling stream, the routes taken and
+    """A generation across its attempts: the tokens that stand, the sampling noise, the routes taken and
     how many tokens there were when each was, its sessions, bytes, recoveries and times."""
     request: Request
-    generator: torch.Generator | None
+    noise: Noise | None  # keyed by position: every attempt draws what the generation alone would have
     report: SpecReport | None
     tokens: list[int] = field(default_factory=list)
     routes: list[Route] = field(default_factory=list)
@@ -112,7 +111,7 @@ class Progress:
 
     @classmethod
     def start(cls, request: Request) -> Progress:
-        return cls(request, new_generator(request.params), SpecReport() if request.speculate else None)
+        return cls(request, new_noise(request.params), SpecReport() if request.speculate else None)
 
     def take(self, route: Route) -> None:
         self.routes.append(route)
@@ -147,8 +146,6 @@ class Progress:
             log.warning("taking back %d tokens computed through %s", len(self.tokens) - keep, ", ".join(caught))
             del self.tokens[keep:]
             self.settled = min(self.settled, keep)
-            if keep == 0:
-                self.generator = new_generator(self.request.params)
             if self.request.on_rewind:
                 self.request.on_rewind(keep)
 
@@ -524,13 +521,13 @@ class SwarmClient:
         context, left = request.prompt_ids + progress.tokens, request.max_new_tokens - len(progress.tokens)
         if not request.speculate:
             generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, request.params,
-                     request.stop_ids, progress.emit, progress.generator)
+                     request.stop_ids, progress.emit, progress.noise)
             return
         assert self.draft is not None, "`generate` speculates only when a draft is set"
         target = SessionSteps(pipe, session) if in_flight > 1 else \
             lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep)
         speculative_generate(target, self.draft, context, left, request.params, self.tuner, request.stop_ids,
-                             progress.emit, progress.generator, progress.report, max_length, in_flight,
+                             progress.emit, progress.noise, progress.report, max_length, in_flight,
                              lambda ids: pipe.forward(session, ids, 0, micro_batches=m))
 
     def _fail_over(self, progress: Progress, e: StageFailed) -> None:
@@ -541,6 +538,7 @@ class SwarmClient:
             progress.rewind(progress.trusted({e.peer}), {e.peer})
         log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",
                     e, len(progress.request.prompt_ids) + len(progress.tokens))
-        self.node.bans.strike(e.peer, str(e), severe=True)
+        if not isinstance(e, OutOfStep):  # a cache out of step is no stage's fault that the entry can tell
+            self.node.bans.strike(e.peer, str(e), severe=True)
         if progress.recoveries > MAX_RECOVERIES:
             raise e

@@ -42,7 +42,7 @@ from beeswarm.p2p.signatures import verify_bytes
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, Span, encode, ids
 from beeswarm.protocol.audit import Reveal
 from beeswarm.protocol.session import Close, Closed, Open, Opened, open_body
-from beeswarm.protocol.step import Commit, Result, Step, StepError
+from beeswarm.protocol.step import CacheState, Commit, Result, Step, StepError
 from beeswarm.shard import tensors
 from beeswarm.shard.errors import SessionError
 from beeswarm.shard.span import SpanRuntime, StepInput
@@ -69,10 +69,15 @@ class _Session:
     kv_bytes: int = 0  # the KV cache allocated for it
     payer: str = ""  # whose credit it spends (the entry's own, or the payer that signed for it)
     served: int = 0  # layer-tokens computed for it (logged at its end: the stage's own tally of its receipts)
+    keeps: int = 0  # keeps applied to its cache (`CacheState.keeps`)
 
 
 class _PreviousLied(ProtocolError):
     """The previous stage's commitment is missing, forged, or not what it sent."""
+
+
+class _StaleCache(ProtocolError):
+    """The step names a cache state the session's is not in here."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,8 @@ class StageServer:
         self.steps = self.tokens = 0  # written by the compute thread only
         self.compute_s = 0.0  # seconds its layers computed
         self._queue: queue.Queue[_Step | None] = queue.Queue()
-        self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are dropped
+        self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are not computed
+        self._pending: collections.deque[_Step] = collections.deque()  # taken off the queue, not run: arrival order
         self._out = ChannelPool(node.open_channel)
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
         # per peer a session links to, most recently used last: what a link's codec learnt outlives a session (an
@@ -196,8 +202,13 @@ class StageServer:
                        old.wire_out + sum(c.wire_bytes for c in links))
 
     @property
+    def queued(self) -> int:
+        """Steps arrived and not run yet."""
+        return self._queue.qsize() + len(self._pending)
+
+    @property
     def busy(self) -> bool:
-        return not self._queue.empty()
+        return self.queued > 0
 
     def link(self, peer: str) -> codec.LinkCodec:
         with self._lock:
@@ -294,33 +305,48 @@ class StageServer:
 
     def _compute_loop(self) -> None:
         codec.warm_up()  # calibrate the codec before the first step rather than during it
+        pending = self._pending
         while True:
-            try:
-                first = self._queue.get(timeout=min(60.0, self.idle_timeout_s / 4))
-            except queue.Empty:
-                self._expire_idle()
-                continue
-            if first is None:
-                return
-            if self._cancelled_step(first):
-                continue
-            batch, seen = [first], {first.key}
-            later: list[_Step] = []
-            while len(batch) < MAX_BATCH:
+            if not pending:
+                try:
+                    first = self._queue.get(timeout=min(60.0, self.idle_timeout_s / 4))
+                except queue.Empty:
+                    self._expire_idle()
+                    continue
+                if first is None:
+                    return
+                pending.append(first)
+            while True:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
-                    self._queue.put(None)
-                    break
-                if self._cancelled_step(item):
-                    continue
-                (later if item.key in seen else batch).append(item)
-                seen.add(item.key)
-            for item in later:  # a second step of the same session waits for the next batch
-                self._queue.put(item)
-            self._run_batch(batch)
+                    return
+                pending.append(item)
+            self._run_batch(self._next_batch(pending))
+
+    def _next_batch(self, pending: collections.deque[_Step]) -> list[_Step]:
+        """The first pending step of each session (up to MAX_BATCH sessions), taken out of `pending`; a session's
+        later steps wait there, in order, for the next batches. A cancelled or held step first in its session's
+        line is not computed: its cache edits are applied here, in its turn, and it is passed on."""
+        batch: list[_Step] = []
+        waiting: set[str] = set()  # sessions with a step in the batch or still pending before this one
+        left: collections.deque[_Step] = collections.deque()
+        for item in pending:
+            if item.key in waiting:
+                left.append(item)
+            elif item.msg.held or self._cancelled_step(item):
+                self._hold(item)
+            elif len(batch) < MAX_BATCH:
+                batch.append(item)
+                waiting.add(item.key)
+            else:
+                left.append(item)
+                waiting.add(item.key)
+        pending.clear()
+        pending.extend(left)
+        return batch
 
     def _cancelled_step(self, item: _Step) -> bool:
         """A later step of its session cancelled it before it ran."""
@@ -334,6 +360,8 @@ class StageServer:
                 ready.setdefault(prepared[1].runtime, []).append(prepared)
             except _PreviousLied as e:
                 self._fail(item, str(e), culprit=item.sender)
+            except _StaleCache as e:
+                self._fail(item, str(e), stale=True)
             except (ProtocolError, SessionError, codec.CodecError) as e:
                 self._fail(item, str(e))
         for runtime, steps in ready.items():
@@ -362,19 +390,58 @@ class StageServer:
 
     def _prepare(self, item: _Step) -> tuple[_Step, _Session, StepInput]:
         msg = item.msg
-        session = self.sessions.get(item.key)
-        if session is None or session.prev != item.sender:
-            raise SessionError(f"unknown session {msg.session!r} (or not from its previous hop)")
+        session = self._session_of(item)
         hidden = tensors.decode(msg.frame, self.link(item.sender), self.node.config.max_tensor_bytes)
         if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
         mask = tensors.decode_mask(msg.mask, hidden.shape[0], msg.start) if hidden.dim() == 2 else None
         item.context, item.input = commitments.context(msg.start, msg.mask, msg.keep), commitments.digest(hidden)
         self._check_previous(item, session)
-        if msg.keep is not None:  # the last speculative round's accepted path, sent with the next step
-            session.runtime.keep(session.key, msg.keep.start, list(msg.keep.indices))
+        self._apply_keep(item, session)
         session.last_used = self.clock()
         return item, session, StepInput(session.key, hidden, msg.start, mask)
+
+    def _session_of(self, item: _Step) -> _Session:
+        session = self.sessions.get(item.key)
+        if session is None or session.prev != item.sender:
+            raise SessionError(f"unknown session {item.msg.session!r} (or not from its previous hop)")
+        return session
+
+    def _apply_keep(self, item: _Step, session: _Session) -> None:
+        """The step's keep (the last speculative round's accepted path), once the session's cache is in the state
+        the entry assumed for it: anything else would run the step on a cache the entry never meant."""
+        msg = item.msg
+        have = CacheState(session.runtime.length(session.key), session.keeps)
+        if have != msg.expect:
+            raise _StaleCache(f"step {msg.step} expects a cache of {msg.expect.length} positions after "
+                              f"{msg.expect.keeps} keeps; this stage's holds {have.length} after {have.keeps}")
+        if msg.keep is not None:
+            session.runtime.keep(session.key, msg.keep.start, list(msg.keep.indices))
+            session.keeps += 1
+
+    def _hold(self, item: _Step) -> None:
+        """A step cancelled before it ran (or passed on held by an earlier stage): compute nothing, but apply its
+        keep and hold its positions, as every stage of the route does in the same turn, and pass it on."""
+        msg = item.msg
+        try:
+            session = self._session_of(item)
+            positions = msg.held or tensors.decode(msg.frame, self.link(item.sender),
+                                                   self.node.config.max_tensor_bytes).shape[0]
+            self._apply_keep(item, session)
+            session.runtime.hold(session.key, msg.start, positions)
+        except _StaleCache as e:
+            self._fail(item, str(e), stale=True)
+            return
+        except (ProtocolError, SessionError, codec.CodecError) as e:
+            self._fail(item, str(e))
+            return
+        self.step_log.record(session.key, LoggedStep.held_step(msg.step, msg.start, msg.mask, msg.keep, positions))
+        if session.next is not None:
+            held = msgspec.structs.replace(msg, frame=b"", commits=(), held=positions)
+            try:
+                self._out.send(session.next, ids.STEP, encode(held))
+            except NodeError as e:
+                self._fail(item, f"cannot reach the next stage: {e}", culprit=session.next)
 
     def _check_previous(self, item: _Step, session: _Session) -> None:
         """The previous stage's commitment must be the last one carried, signed, and name what arrived: an
@@ -441,10 +508,10 @@ class StageServer:
             else:
                 log.warning("cannot return a result to %s: %s", target, e)
 
-    def _fail(self, item: _Step, error: str, culprit: str | None = None) -> None:
+    def _fail(self, item: _Step, error: str, culprit: str | None = None, stale: bool = False) -> None:
         log.info("step %s of %s failed: %s", item.msg.step, item.key, error)
         reply = StepError(session=item.msg.session, step=item.msg.step, error=error[:500],
-                          culprit=culprit or self.node.peer_id)
+                          culprit=culprit or self.node.peer_id, stale=stale)
         try:
             self._out.send(item.msg.entry, ids.RESULT, encode(reply))
         except NodeError as e:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from beeswarm.generation.sampling import SamplingParams, Seen, sample
+from beeswarm.generation.sampling import Noise, SamplingParams, Seen, new_noise, sample
 
 # (new token ids (q,), start position) -> logits (q, vocab) for those tokens
 Forward = Callable[[torch.Tensor, int], torch.Tensor]
@@ -30,20 +30,17 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
-def new_generator(params: SamplingParams) -> torch.Generator | None:
-    return torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-
-
 def generate(forward: Forward, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
              stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
-             generator: torch.Generator | None = None) -> Generation:
+             noise: Noise | None = None) -> Generation:
     """Generate up to `max_new_tokens` after `prompt_ids`, stopping early at a stop id (kept in the output).
 
-    Pass `generator` to continue a seeded sampling stream across calls (resuming after a failover).
+    `noise`: the generation's sampling noise (keyed by position: resuming after a failover with the same noise
+    draws what the generation would have drawn without it); None: `params`' own.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    generator = generator if generator is not None else new_generator(params)
+    noise = noise if noise is not None else new_noise(params)
     stop = set(stop_ids)
     tokens: list[int] = []
     t0 = time.perf_counter()
@@ -53,7 +50,7 @@ def generate(forward: Forward, prompt_ids: list[int], max_new_tokens: int, param
     seen = Seen(prompt_ids if penalised else ())  # the sequence so far, for the penalty (kept only if there is one)
     while len(tokens) < max_new_tokens:
         logits = forward(pending, start)
-        token = sample(logits[-1], params, generator, seen)
+        token = sample(logits[-1], params, noise, len(prompt_ids) + len(tokens), seen)
         if not tokens:
             ttft = time.perf_counter() - t0
         tokens.append(token)

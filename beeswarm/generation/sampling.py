@@ -1,7 +1,10 @@
-"""Token sampling: repetition penalty, greedy, temperature and nucleus (top-p), as pure tensor functions."""
+"""Token sampling: repetition penalty, greedy, temperature and nucleus (top-p), as pure tensor functions, and the
+position-keyed noise that sampling draws with."""
 from __future__ import annotations
 
+import collections
 import json
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,10 +114,75 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): a seed per position, unrelated to its neighbours'."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class Noise:
+    """The randomness of one sampled generation, keyed by position: the token at position t is
+    argmax(log p + G_t), with G_t Gumbel noise drawn from (seed, t) alone. That is exactly a draw from p (the
+    Gumbel-max trick; G_t is independent of every earlier position, so of the context p was computed from), and
+    it is the same draw whoever computes p, in whatever order and however often: speculative or plain, pipelined
+    or serial, alone on the swarm or among many users, before or after a failover. A seeded generation is
+    therefore one answer, reproducible token for token. A draft ranks its candidates by the same noise
+    (log q + G_t), so it proposes the token the target is likely to draw (drafter-invariant speculative
+    decoding: Daliri et al., 2025)."""
+
+    KEPT = 64  # positions' noise kept (a speculative tree looks at a few dozen positions at once)
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._kept: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
+
+    @classmethod
+    def fresh(cls) -> Noise:
+        return cls(secrets.randbits(63))
+
+    def gumbel(self, position: int, vocab: int) -> torch.Tensor:
+        """G_position: (vocab,) float64 standard Gumbel noise, on the host."""
+        key = (position, vocab)
+        noise = self._kept.get(key)
+        if noise is None:
+            generator = torch.Generator().manual_seed(_mix(self.seed, position))
+            u = torch.rand(vocab, dtype=torch.float64, generator=generator)
+            noise = -torch.log(-torch.log(u.clamp_(min=1e-300)))
+            self._kept[key] = noise
+            if len(self._kept) > self.KEPT:
+                self._kept.popitem(last=False)
+        else:
+            self._kept.move_to_end(key)
+        return noise
+
+    def scores(self, probs: torch.Tensor, position: int) -> torch.Tensor:
+        """log p + G_position (float64, on the host): the token drawn at `position` is their argmax; the k likeliest
+        to be drawn there, as far as `probs` knows, their top k."""
+        return probs.detach().to("cpu", torch.float64).log() + self.gumbel(position, probs.shape[-1])
+
+    def draw(self, probs: torch.Tensor, position: int) -> int:
+        """The token at `position`, drawn from `probs` (vocab,)."""
+        return int(self.scores(probs, position).argmax())
+
+
+def new_noise(params: SamplingParams) -> Noise | None:
+    """The noise a generation samples with: keyed by `params.seed` when given, by a fresh seed otherwise; None
+    when greedy (nothing random)."""
+    if params.greedy:
+        return None
+    return Noise(params.seed) if params.seed is not None else Noise.fresh()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, noise: Noise | None, position: int,
            seen: Iterable[int] | Seen = ()) -> int:
-    """One token id from a (vocab,) logits vector; `seen`: the sequence so far (for the repetition penalty)."""
+    """The token at `position` from a (vocab,) logits vector; `seen`: the sequence so far (for the repetition
+    penalty); `noise`: the generation's (None: a fresh one, for a one-off draw)."""
     logits = penalize(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
+    return (noise or Noise.fresh()).draw(probabilities(logits, params), position)

@@ -57,6 +57,7 @@ class RevealedStep(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     keep: Keep | None
     input: bytes  # a codec frame
     output: bytes  # a codec frame
+    held: Annotated[int, msgspec.Meta(ge=0)] = 0  # > 0: cancelled, not computed: keep applied, positions held
 
 
 class Revealed(Message, frozen=True, tag="revealed"):
@@ -71,9 +72,10 @@ class Revealed(Message, frozen=True, tag="revealed"):
 
 def reveal_body(entry: str, r: Revealed, digests: list[tuple[bytes, bytes, bytes]]) -> bytes:
     """The bytes a reveal's signature covers: the session and, per step, its id and the digests of its
-    context, input and output (the tensors themselves are bound by their digests)."""
-    return msgspec.msgpack.encode(("beeswarm/reveal/1", entry, r.stage, r.session,
-                                   [(s.step, *d) for s, d in zip(r.steps, digests, strict=True)]))
+    context, input and output, and the positions held by a step not computed (the tensors themselves are bound by
+    their digests)."""
+    return msgspec.msgpack.encode(("beeswarm/reveal/2", entry, r.stage, r.session,
+                                   [(s.step, s.held, *d) for s, d in zip(r.steps, digests, strict=True)]))
 
 
 class AuditAsk(Message, frozen=True, tag="audit-ask"):

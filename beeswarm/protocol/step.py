@@ -23,6 +23,20 @@ class Keep(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=T
     indices: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_KEEP)]
 
 
+class CacheState(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A session's KV cache on a stage as the entry assumes it when a step arrives, before the step's keep: the
+    positions it holds and the keeps applied to it so far. A stage whose cache is in any other state refuses the
+    step (`StepError.stale`) and the entry starts the session again: a step never runs on a cache the entry did
+    not assume, whatever was lost, dropped or reordered on the way."""
+
+    length: Annotated[int, msgspec.Meta(ge=0)]
+    keeps: Annotated[int, msgspec.Meta(ge=0)]
+
+    def after(self, start: int, positions: int, keep: Keep | None) -> CacheState:
+        """The state once a step of `positions` at `start` (and its keep) has run, or been held."""
+        return CacheState(start + positions, self.keeps + (keep is not None))
+
+
 class Commit(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Stage `stage`'s signed word on step `step` of a session: run on `span`, given the step's arguments
     (`context`: start, tree mask, keep), it received hidden states `input` and sent `output`. The signature
@@ -51,13 +65,18 @@ class Step(Message, frozen=True, tag="step"):
     session: SessionId
     step: Annotated[int, msgspec.Meta(ge=0)]
     start: Annotated[int, msgspec.Meta(ge=0)]
-    frame: bytes  # the hidden states, a codec frame
+    frame: bytes  # the hidden states, a codec frame (empty when `held`)
+    expect: CacheState  # the session's cache as the entry assumes it when this step arrives
     mask: bytes | None = None  # a tree mask, a uint8 codec frame (q, w): cached positions before start, then its own q
     keep: Keep | None = None
     commits: Commits = ()  # the stages before this one, in order (audits)
     # the session's earlier steps not computed yet are not wanted (speculation built on an outcome that did
     # not happen): a stage drops them, and this step's keep no longer names their positions
     cancel: bool = False
+    # > 0: a cancelled step passed on by the stage that dropped it, for the stages after it: no hidden states;
+    # each applies its keep and holds its `held` positions (their KV never read: the cancelling step's keep
+    # drops them), computes nothing and passes it on, so every stage's cache stays in the state the entry assumes
+    held: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Result(Message, frozen=True, tag="result"):
@@ -72,3 +91,4 @@ class StepError(Message, frozen=True, tag="step_error"):
     step: int
     error: Annotated[str, msgspec.Meta(max_length=1000)]
     culprit: PeerId  # the stage the error names (itself, or a next hop it could not reach)
+    stale: bool = False  # the step named a cache state the stage's is not in (`Step.expect`): start over, blame none

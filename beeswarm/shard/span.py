@@ -152,6 +152,16 @@ class SpanRuntime:
             raise SessionError(f"keep: indices {indices} from {start} fall outside the cached {kv.length} tokens")
         kv.keep(start, indices)
 
+    def hold(self, session_id: str, start: int, positions: int) -> None:
+        """A step not computed (cancelled): its `positions` from `start` are held as if it had run, so later keeps
+        index the same positions on every stage. Their KV is stale and never read: the step that cancelled it
+        keeps none of them."""
+        kv = self._session(session_id)
+        if not 0 <= start <= kv.length or start + positions > kv.max_length:
+            raise SessionError(f"hold: positions {start}..{start + positions} fall outside the cached {kv.length} "
+                               f"tokens or past max_length {kv.max_length}")
+        kv.length = start + positions
+
     def length(self, session_id: str) -> int:
         return self._session(session_id).length
 

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from beeswarm.generation.sampling import SamplingParams
+from beeswarm.generation.sampling import Noise, SamplingParams
 from beeswarm.shard import EntryModel, Span, SpanRuntime, checkpoint
 from beeswarm.shard.errors import ShardError
 from beeswarm.shard.loader import load_config
@@ -61,13 +61,13 @@ class DraftModel:
             self.session = None
 
     def propose(self, committed: list[int], shape: TreeShape, params: SamplingParams,
-                generator: torch.Generator | None = None) -> DraftTree:
+                noise: Noise | None = None) -> DraftTree:
         """A tree after `committed` (the whole sequence; the draft reads what it has not read of it)."""
-        return self.propose_many(committed, [[]], shape, params, generator)[0]
+        return self.propose_many(committed, [[]], shape, params, noise)[0]
 
     @torch.inference_mode()
     def propose_many(self, committed: list[int], paths: list[list[int]], shape: TreeShape, params: SamplingParams,
-                     generator: torch.Generator | None = None) -> tuple[DraftTree, list[int]]:
+                     noise: Noise | None = None) -> tuple[DraftTree, list[int]]:
         """Trees after `committed` + each of `paths`, grown together (one draft step per level for all).
 
         The tree returned starts with the paths' tokens (a trie; its nodes get no candidates), then holds a
@@ -103,6 +103,6 @@ class DraftModel:
 
         room = self.span.sessions[self.session].max_length - base - len(tree)
         shape = TreeShape(shape.widths, min(shape.max_nodes, max(1, room)), shape.min_path_prob)
-        grow_tree(tree, [(end, logits[end]) for end in dict.fromkeys(ends)], level_logits, shape, params, generator,
+        grow_tree(tree, [(end, logits[end]) for end in dict.fromkeys(ends)], level_logits, shape, params, noise,
                   committed)
         return tree, ends

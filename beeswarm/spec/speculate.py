@@ -9,9 +9,10 @@ candidates, `tuner.Calibration`), so when the walk gets there its continuation i
 Every step's tree nodes are nodes of one growing tree whose spine is the committed sequence; the walk
 judges node after node as results arrive (`verify.judge`). A step whose nodes all left the walk's
 subtree is ignored when it returns, and its KV dropped by the next step's `keep`; after a miss, the
-next step cancels the steps still in flight. A node's candidates are drawn, and fixed, before the
-target's result for it is seen, so the output stays exactly the target's (greedy: token for token
-plain greedy).
+next step cancels the steps still in flight (the stages skip their compute, never their keeps). The
+target's token at every node is the one plain decoding takes there (greedy: its argmax; sampling: the
+draw of the generation's position-keyed noise, `sampling.Noise`), so the output is plain decoding's,
+token for token, whatever the timing; the tree only decides how many of them a ring commits.
 
 The stages' KV holds the committed tokens compacted up to `base`, then the nodes sent and not yet
 judged. Each step carries a tree mask over that window: a node sees its own ancestors, so its
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from beeswarm.generation.generate import Generation
-from beeswarm.generation.sampling import SamplingParams, Seen, penalize, sample
+from beeswarm.generation.sampling import Noise, SamplingParams, Seen, new_noise, penalize, sample
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.tree import MAX_CANDIDATES, ROOT, DraftTree
 from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, MIN_RING_S, CostMeter, Plan, TreeShape, Tuner
@@ -50,8 +51,8 @@ class Target(Protocol):
 
     def submit(self, ids: torch.Tensor, start: int, mask: torch.Tensor | None,
                keep: tuple[int, list[int]] | None, cancel: bool = False) -> Any:
-        """Send a step; `cancel`: the steps sent before it and not run yet are not wanted (they are dropped
-        where they have not run, and discarded by the caller)."""
+        """Send a step; `cancel`: the steps sent before it and not run yet are not wanted (the stages compute
+        none of them that they have not run yet, though their keeps still apply; the caller discards them)."""
         ...
 
     def collect(self, handle: Any) -> tuple[torch.Tensor, float]:
@@ -119,10 +120,10 @@ class _Speculation:
     """The tree of one generation's speculation, the stages' KV layout, and the walk."""
 
     def __init__(self, target: Target, draft: DraftModel, params: SamplingParams, tuner: Tuner,
-                 generator: torch.Generator | None, committed: list[int], base: int, max_length: int | None,
+                 noise: Noise | None, committed: list[int], base: int, max_length: int | None,
                  max_in_flight: int, report: SpecReport, commit: Callable[[int], bool]):
         self.target, self.draft, self.params, self.tuner = target, draft, params, tuner
-        self.generator, self.report, self.commit = generator, report, commit
+        self.noise, self.report, self.commit = noise, report, commit
         self.max_length, self.max_in_flight = max_length, max_in_flight
         self.meter = CostMeter(tuner.costs)
         self.tree = DraftTree()
@@ -151,7 +152,7 @@ class _Speculation:
             if seen is not None:
                 logits = penalize(logits, seen, self.params.repetition_penalty)
             trials: list[tuple[int, int, bool]] = []
-            child, token = judge(self.tree, self.at, logits, self.params, self.generator,
+            child, token = judge(self.tree, self.at, logits, self.params, self.noise, len(self.committed),
                                  min(self.level[self.at] + 1, MAX_DEPTH), trials)
             for depth, candidate, ok in trials:
                 self.tuner.stats.record(depth, candidate, ok)
@@ -279,12 +280,10 @@ class _Speculation:
         return [(node, token) for _, _, node, token in sorted(best, reverse=True)]
 
     def widen(self, node: int, token: int) -> int | None:
-        """One more candidate at `node` (greedy: `token`; sampling: a fresh draw); its new child, if any."""
-        if not self.params.greedy:
-            token = int(torch.multinomial(self.tree.dists[node], 1, generator=self.generator))
+        """One more candidate at `node`: `token`, the next it ranks (`DraftTree.untried`); its new child."""
         self.tree.candidates[node].append(token)
         if self.tree.child(node, token) is not None:
-            return None  # a repeat draw: tried again at verification, nothing new to compute
+            return None
         return self.add_drafted(node, token, float(self.tree.dists[node][token]))
 
     def add_drafted(self, parent: int, token: int, q: float) -> int:
@@ -318,7 +317,7 @@ class _Speculation:
         if under and budget > 0:
             forest, _ = self.draft.propose_many(self.committed, [self.path_tokens(h) for h in under],
                                                 TreeShape(shape.widths, budget, shape.min_path_prob), self.params,
-                                                self.generator)
+                                                self.noise)
             rows += self.graft(forest)
         if not rows:
             return False
@@ -428,7 +427,7 @@ class _Speculation:
 def speculative_generate(target: TargetForward | Target, draft: DraftModel, prompt_ids: list[int],
                          max_new_tokens: int, params: SamplingParams, tuner: Tuner | None = None,
                          stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
-                         generator: torch.Generator | None = None, report: SpecReport | None = None,
+                         noise: Noise | None = None, report: SpecReport | None = None,
                          max_length: int | None = None, max_in_flight: int = 1,
                          prefill: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Generation:
     """Like `generate`, speculating: each target pass commits the accepted draft path plus a token of its own.
@@ -453,12 +452,13 @@ def speculative_generate(target: TargetForward | Target, draft: DraftModel, prom
             on_token(token)
         return token not in stop and len(tokens) < max_new_tokens
 
+    noise = noise if noise is not None else new_noise(params)
     ids = torch.tensor(prompt_ids)
     logits = prefill(ids) if prefill is not None else target.collect(target.submit(ids, 0, None, None))[0]
-    going = commit(sample(logits[-1], params, generator, prompt_ids)) if max_new_tokens > 0 else False
+    going = commit(sample(logits[-1], params, noise, len(prompt_ids), prompt_ids)) if max_new_tokens > 0 else False
     ttft = time.perf_counter() - t0
     draft.reset(len(prompt_ids) + max_new_tokens + 2 * (max_in_flight + 1) * (MAX_TREE_NODES + 2))
-    spec = _Speculation(target, draft, params, tuner, generator, list(prompt_ids) + tokens, len(prompt_ids),
+    spec = _Speculation(target, draft, params, tuner, noise, list(prompt_ids) + tokens, len(prompt_ids),
                         max_length, max_in_flight, report, commit)
     try:
         while going:

@@ -1,11 +1,10 @@
 """Draft token trees: growing one level at a time, and the attention masks that run it in one pass.
 
 Nodes are numbered in breadth-first order (each level contiguous); node -1 is the root, the last
-committed token. Greedy trees give a node its draft's top-w tokens as children. Sampling trees
-draw w tokens i.i.d. from the draft's distribution at the node and keep the distinct ones as
-children: multi-candidate rejection sampling over that i.i.d. sequence leaves the output exactly
-the target's distribution. How many candidates a node gets may depend on its own path (pruning
-unlikely nodes), never on the candidates drawn.
+committed token. A node's children are its draft's top-w tokens: greedy, by the draft's probability;
+sampling, by the draft's probability perturbed with the generation's noise at the children's position
+(log q + G), the same noise the target's token there is drawn with (`verify`), so the first candidate
+is the draft's own draw and the likeliest to be the target's.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.generation.sampling import SamplingParams, Seen, penalize, probabilities
+from beeswarm.generation.sampling import Noise, SamplingParams, Seen, penalize, probabilities
 from beeswarm.spec.tuner import TreeShape
 
 ROOT = -1
@@ -26,11 +25,11 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)  # 1 for the root's children
-    # per expanded node (ROOT included): the draft distribution and the candidates drawn from it,
-    # in the order verification tries them (i.i.d. draws with repeats when sampling, top-w when greedy)
+    # per expanded node (ROOT included): the draft distribution and the candidates taken from it, in the order
+    # verification tries them (its top-w, by probability when greedy, by probability and noise when sampling)
     dists: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: dict[int, list[int]] = field(default_factory=dict)
-    # per expanded node: its MAX_CANDIDATES + 1 likeliest tokens under the draft and their probabilities
+    # per expanded node: the MAX_CANDIDATES + 1 tokens it ranks first (as its candidates) and their probabilities
     ranked: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     _children: dict[int, dict[int, int]] = field(default_factory=dict)
 
@@ -99,11 +98,14 @@ LevelLogits = Callable[[DraftTree, list[int]], torch.Tensor]
 
 
 def grow_tree(tree: DraftTree, roots: list[tuple[int, torch.Tensor]], level_logits: LevelLogits, shape: TreeShape,
-              params: SamplingParams, generator: torch.Generator | None = None, seen: list[int] | None = None) -> None:
+              params: SamplingParams, noise: Noise | None, seen: list[int]) -> None:
     """Grow `tree` under each of `roots` (node, the draft's logits after it), a level at a time, to `shape`:
-    `shape.max_nodes` new nodes in all, likelier paths first. `seen`: the committed sequence, for the
-    repetition penalty (each node's proposal is penalised by its own sequence, as the target's will be)."""
-    committed = Seen(seen or ()) if params.repetition_penalty != 1.0 else None
+    `shape.max_nodes` new nodes in all, likelier paths first. `seen`: the committed sequence (the root's children
+    come at its length: the noise's position), for the repetition penalty too (each node's proposal is penalised
+    by its own sequence, as the target's will be)."""
+    if not params.greedy and noise is None:
+        raise ValueError("sampling trees need the generation's noise")
+    committed = Seen(seen) if params.repetition_penalty != 1.0 else None
     frontier = [(node, logits, 1.0) for node, logits in roots]  # node, logits for its children, path probability
     added = 0
     for depth, width in enumerate(shape.widths, start=1):
@@ -116,19 +118,24 @@ def grow_tree(tree: DraftTree, roots: list[tuple[int, torch.Tensor]], level_logi
                 penalize(logits, committed.plus(tree.path_tokens(node)), params.repetition_penalty)
                 for node, logits, _ in frontier]
         dists = draft_distribution(torch.stack(rows), params)
-        top = dists.topk(min(dists.shape[-1], max(width, MAX_CANDIDATES + 1)))
-        ranked = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        k = min(dists.shape[-1], max(width, MAX_CANDIDATES + 1))
+        if params.greedy or noise is None:
+            ranks = dists.topk(k).indices.tolist()
+        else:  # each row's children come at its own position (roots may hang at several depths)
+            scores = torch.stack([noise.scores(dist, len(seen) + (tree.depths[node] if node != ROOT else 0))
+                                  for (node, _, _), dist in zip(frontier, dists, strict=True)])
+            top = scores.topk(k)  # tokens outside the draft's nucleus (score -inf) are no candidates
+            ranks = [[t for t, v in zip(row, values) if v > float("-inf")]
+                     for row, values in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
         level: list[tuple[int, float]] = []
-        for (node, _, path_prob), dist, (tokens, probs) in zip(frontier, dists, ranked, strict=True):
+        for (node, _, path_prob), dist, tokens in zip(frontier, dists, ranks, strict=True):
             draws = min(width, shape.max_nodes - added)
             if draws <= 0:
                 break
-            if params.greedy:
-                candidates = tokens[:draws]
-            else:
-                candidates = torch.multinomial(dist, draws, replacement=True, generator=generator).tolist()
-            tree.dists[node], tree.candidates[node], tree.ranked[node] = dist, candidates, (tokens, probs)
-            for token in dict.fromkeys(candidates):
+            candidates = tokens[:draws]
+            tree.dists[node], tree.candidates[node] = dist, candidates
+            tree.ranked[node] = tokens, dist[tokens].tolist()
+            for token in candidates:
                 level.append((tree.add(node, token), path_prob * float(dist[token])))
                 added += 1
         if not level or depth == shape.depth:

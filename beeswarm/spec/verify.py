@@ -1,10 +1,10 @@
 """Verification of a draft tree against the target's logits from one pass.
 
-Greedy: follow the children that equal the target's argmax; the target's token after the last
-accepted node comes free. Sampling: at each node try the drawn candidates in order, accepting x
-with probability min(1, p(x)/q(x)) and otherwise replacing p by the residual norm(max(0, p - q));
-when every candidate fails, draw from the residual (SpecInfer's multi-step speculative sampling).
-The committed tokens are then distributed exactly as sampling the target token by token.
+At each node the target's token is taken as plain decoding would take it: greedy, its argmax; sampling, the
+draw at that position of the generation's `Noise` (argmax of log p + G: exactly a sample of p). The walk follows
+the child holding that token, and the target's token after the last accepted node comes free. So the committed
+tokens are, token for token, those plain decoding gives with the same noise: whatever the tree, the timing, the
+stages or the other users. The draft ranks its candidates by the same noise, which is what makes them likely.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beeswarm.generation.sampling import SamplingParams, probabilities
+from beeswarm.generation.sampling import Noise, SamplingParams, probabilities
 from beeswarm.spec.tree import ROOT, DraftTree
 
 # node (ROOT: the last committed token) -> the target's logits for the token after it
@@ -31,12 +31,14 @@ class Verdict:
         return [tree.tokens[n] for n in self.path] + [self.bonus]
 
 
-def verify(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
-           generator: torch.Generator | None = None) -> Verdict:
-    """Walk the tree from the root, judging each reached node with the target's logits after it."""
+def verify(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams, noise: Noise | None = None,
+           position: int = 0) -> Verdict:
+    """Walk the tree from the root, judging each reached node with the target's logits after it; `position`: the
+    sequence position of the root's children."""
     verdict, node, depth = Verdict([], 0), ROOT, 1
     while True:
-        child, token = judge(tree, node, target_logits(node), params, generator, depth, verdict.trials)
+        child, token = judge(tree, node, target_logits(node), params, noise, position + depth - 1, depth,
+                             verdict.trials)
         if child is None:
             verdict.bonus = token
             return verdict
@@ -44,34 +46,24 @@ def verify(tree: DraftTree, target_logits: TargetLogits, params: SamplingParams,
         node, depth = child, depth + 1
 
 
-def judge(tree: DraftTree, node: int, logits: torch.Tensor, params: SamplingParams,
-          generator: torch.Generator | None = None, depth: int = 1,
-          trials: list[tuple[int, int, bool]] | None = None) -> tuple[int | None, int]:
-    """One node of the walk: (the accepted child, its token), or (None, the target's own token) when no
-    candidate at `node` passes. `trials` gets (depth, candidate index, accepted) for each candidate tried."""
-    trials = trials if trials is not None else []
-    candidates = tree.candidates.get(node, [])
+def target_token(logits: torch.Tensor, params: SamplingParams, noise: Noise | None, position: int) -> int:
+    """The token plain decoding takes at `position` from the target's (penalised) logits."""
     if params.greedy:
-        token = int(logits.argmax())
-        for i, c in enumerate(candidates):
-            trials.append((depth, i, c == token))
-            if c == token:
-                break
-        return tree.child(node, token), token
-    p = probabilities(logits, params)
-    q = tree.dists.get(node)
-    for i, x in enumerate(candidates):
-        assert q is not None, "a node's candidates are drawn from its distribution: both are stored"
-        u = float(torch.rand((), generator=generator))
-        ok = u * float(q[x]) < float(p[x])
-        trials.append((depth, i, ok))
-        if ok:
-            child = tree.child(node, x)
-            assert child is not None, "every candidate is added to the tree as a child of its node"
-            return child, x
-        residual = (p - q).clamp_(min=0)
-        total = float(residual.sum())
-        if total <= 0:  # p == q up to rounding: a rejection had probability ~0; keep p
-            continue
-        p = residual / total
-    return None, int(torch.multinomial(p, 1, generator=generator))
+        return int(logits.argmax())
+    if noise is None:
+        raise ValueError("sampling needs the generation's noise")
+    return noise.draw(probabilities(logits, params), position)
+
+
+def judge(tree: DraftTree, node: int, logits: torch.Tensor, params: SamplingParams, noise: Noise | None,
+          position: int, depth: int = 1, trials: list[tuple[int, int, bool]] | None = None) -> tuple[int | None, int]:
+    """One node of the walk: (the child holding the target's token at `position`, that token), or (None, the
+    token) when no candidate at `node` is it. `trials` gets (depth, candidate index, taken) for each candidate
+    tried, in the order the draft ranked them."""
+    trials = trials if trials is not None else []
+    token = target_token(logits, params, noise, position)
+    for i, c in enumerate(tree.candidates.get(node, [])):
+        trials.append((depth, i, c == token))
+        if c == token:
+            break
+    return tree.child(node, token), token

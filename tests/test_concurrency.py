@@ -1,0 +1,187 @@
+"""Many users at once, exactly: concurrent speculative sessions through real stage servers."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps
+from beeswarm.contributor.stage import StageServer
+from beeswarm.generation.generate import generate
+from beeswarm.generation.sampling import Noise, SamplingParams
+from beeswarm.protocol.coordinator import Stage
+from beeswarm.protocol.spans import even_splits
+from beeswarm.shard import EntryModel, SpanRuntime, checkpoint
+from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.speculate import SpecReport, speculative_generate
+from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
+
+USERS = 8
+TOKENS = 24
+
+
+class ComputeBound(SpanRuntime):
+    """A span whose every batched pass takes `pass_s` longer: a stage slower than its entries (a real model's
+    compute), so steps queue behind each other and cancels land on queued ones. While `gate` is clear, a pass
+    waits for it: the stage is busy, and what arrives queues."""
+
+    pass_s = 0.02
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def step(self, inputs):
+        self.gate.wait(30)
+        time.sleep(self.pass_s)
+        return super().step(inputs)
+
+
+@pytest.fixture(scope="module")
+def tinycode_swarm():
+    from beeswarm.p2p import identity
+    from beeswarm.p2p.node import Node, NodeConfig
+    from helpers import LOCAL
+
+    folder = checkpoint.resolve("tinycode")
+    entry = EntryModel(folder, dtype="float32", device="cpu")
+    spans = even_splits(entry.config.num_hidden_layers, 3)
+    nodes = [Node(identity.ephemeral(), NodeConfig(listen=LOCAL, bootstrap=[])) for _ in range(len(spans) + 1)]
+    for node in nodes:
+        node.start()
+    *stages, entry_node = nodes
+    runtimes = [ComputeBound(folder, span, dtype="float32", device="cpu") for span in spans]
+    servers = [StageServer(node, runtime).start() for node, runtime in zip(stages, runtimes)]
+    for server, runtime in zip(servers, runtimes):
+        server.runtime_gate = runtime.gate
+    for node in stages:
+        entry_node.connect(node.addrs[0])
+    for a, b in zip(stages, stages[1:]):
+        a.connect(b.addrs[0])
+    route = tuple(Stage(node=node.peer_id, span=span) for node, span in zip(stages, spans))
+    pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), entry, route)
+    yield pipe, folder, servers
+    pipe.close()
+    for server in servers:
+        server.stop()
+    for node in nodes:
+        node.stop()
+
+
+def speculate(pipe: RemotePipeline, draft: DraftModel, prompt: list[int], params: SamplingParams, in_flight: int,
+              seed: int | None, report: SpecReport) -> list[int]:
+    """One user's generation: its own session, draft and sampling stream."""
+    max_length = len(prompt) + TOKENS + in_flight * (MAX_TREE_NODES + 1)
+    session = pipe.open(max_length)
+    try:
+        target = SessionSteps(pipe, session) if in_flight > 1 else \
+            (lambda t, s, m, k: pipe.forward(session, t, s, m, keep=k))
+        tuner = Tuner(depth=3, width=2, in_flight=in_flight if in_flight > 1 else None)
+        return speculative_generate(target, draft, prompt, TOKENS, params, tuner,
+                                    noise=Noise(seed) if seed is not None else None,
+                                    report=report, max_length=max_length, max_in_flight=in_flight,
+                                    prefill=lambda ids: pipe.forward(session, ids, 0)).tokens
+    finally:
+        pipe.close_session(session)
+
+
+def prompts() -> list[list[int]]:
+    return [[(37 * i + 11 * j) % 2000 + 5 for j in range(6 + i)] for i in range(USERS)]
+
+
+def all_at_once(pipe, params, in_flight, drafts, seeds) -> tuple[list, list[SpecReport]]:
+    results: list = [None] * USERS
+    reports = [SpecReport() for _ in range(USERS)]
+
+    def user(i: int) -> None:
+        try:
+            results[i] = speculate(pipe, drafts[i], prompts()[i], params, in_flight, seeds[i], reports[i])
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results[i] = e
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(USERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    return results, reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_flight", [1, 3], ids=["serial", "pipelined"])
+def test_concurrent_speculative_users_each_get_plain_greedy(tinycode_swarm, in_flight):
+    """Eight users speculate at once through one compute-bound swarm, several rounds each: every generation is
+    transformers' greedy continuation, token for token. Pipelined, misses cancel steps queued at the stages."""
+    from helpers import reference_greedy
+    pipe, folder, servers = tinycode_swarm
+    drafts = [DraftModel("tinycode-draft", 2048) for _ in range(USERS)]
+    for rounds in range(2):
+        results, reports = all_at_once(pipe, SamplingParams(), in_flight, drafts, [None] * USERS)
+        for i, prompt in enumerate(prompts()):
+            expected = reference_greedy(folder, prompt, TOKENS, repetition_penalty=1.0)
+            assert results[i] == expected, f"user {i}, round {rounds}"
+    if in_flight > 1:
+        assert sum(r.cancelled for r in reports) > 0
+
+
+@pytest.mark.slow
+def test_concurrent_sampling_users_each_get_the_plain_answer_of_their_seed(tinycode_swarm):
+    """Sampling at a fixed seed: each user's tokens, speculated in a crowd with steps pipelined and cancelled, equal
+    the same seed's plain token-by-token sampling through the same stages alone."""
+    pipe, _, _ = tinycode_swarm
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    seeds = list(range(100, 100 + USERS))
+    alone = []
+    for prompt, seed in zip(prompts(), seeds):
+        session = pipe.open(len(prompt) + TOKENS)
+        alone.append(generate(lambda t, s: pipe.forward(session, t, s), prompt, TOKENS, params,
+                              noise=Noise(seed)).tokens)
+        pipe.close_session(session)
+    drafts = [DraftModel("tinycode-draft", 2048) for _ in range(USERS)]
+    together, reports = all_at_once(pipe, params, 3, drafts, seeds)
+    assert together == alone
+    assert sum(r.cancelled for r in reports) > 0 and sum(map(sum, (r.accepted for r in reports))) > 0
+
+
+def test_a_cancelled_step_queued_at_a_stage_keeps_the_cache_edits_it_carried(tinycode_swarm):
+    """A step that compacts the KV (its keep) is cancelled while it waits behind another session's step: the stage
+    computes nothing for it but still applies its keep, so the cancelling step runs on exactly the cache the entry
+    assumed, and its logits are those of the committed sequence run plainly."""
+    pipe, folder, servers = tinycode_swarm
+    first, gate = servers[0], servers[0].runtime_gate
+    prompt = prompts()[3]
+    n = len(prompt)
+    session, other = pipe.open(64), pipe.open(64)
+    try:
+        x0 = int(pipe.forward(session, torch.tensor(prompt), 0)[-1].argmax())
+        pipe.forward(other, torch.tensor(prompt), 0)
+        a, b, c, y = 17, 23, 31, 45
+        # a tree: x0, then a and b both under it; the walk takes x0 and b
+        tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        pipe.collect(session, pipe.submit(session, torch.tensor([x0, a, b]), n, tree))
+        gate.clear()  # the first stage is busy with another session's step...
+        blocker = pipe.submit(other, torch.tensor([x0]), n)
+        from helpers import wait_for
+        wait_for(lambda: first.queued == 0, 10, "the first stage to take the other session's step")
+        # ...while this session's next step (keeping x0 and b, then c under b) and a step that cancels it (the
+        # target's token after b was y, not c) queue behind it
+        late = pipe.submit(session, torch.tensor([c]), n + 2, None, (n, [0, 2]))
+        cancelling = pipe.submit(session, torch.tensor([y]), n + 2, None, None, cancel=True)
+        wait_for(lambda: first.queued == 2, 10, "both steps to queue at the first stage")
+        gate.set()
+        pipe.discard(session, late)
+        got = pipe.collect(session, cancelling)[0][-1]
+        pipe.collect(other, blocker)
+    finally:
+        gate.set()
+        pipe.close_session(session)
+        pipe.close_session(other)
+    check = pipe.open(64)
+    try:
+        expected = pipe.forward(check, torch.tensor(prompt + [x0, b, y]), 0)[-1]
+    finally:
+        pipe.close_session(check)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
