@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from beeswarm.audit.auditor import Auditor
 from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
@@ -62,7 +63,14 @@ def tinycode_swarm():
     for a, b in zip(stages, stages[1:]):
         a.connect(b.addrs[0])
     route = tuple(Stage(node=node.peer_id, span=span) for node, span in zip(stages, spans))
-    pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), entry, route)
+    # every step audited, recomputed here: what a stage applies for a cancelled step, its reveal and the replay
+    # must apply too, or honest stages get accused
+    layers = {span: SpanRuntime(folder, span, dtype="float32", device="cpu") for span in spans}
+    caught: dict[str, str] = {}
+    auditor = Auditor(entry_node, layers.__getitem__, 1.0, on_caught=caught.__setitem__,
+                      report=lambda evidence: None, vouch=lambda session, commit: None)
+    auditor.caught_here = caught
+    pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), entry, route, auditor=auditor)
     yield pipe, folder, servers
     pipe.close()
     for server in servers:
@@ -72,10 +80,12 @@ def tinycode_swarm():
 
 
 def speculate(pipe: RemotePipeline, draft: DraftModel, prompt: list[int], params: SamplingParams, in_flight: int,
-              seed: int | None, report: SpecReport) -> list[int]:
-    """One user's generation: its own session, draft and sampling stream."""
+              seed: int | None, report: SpecReport, sessions: list[str] | None = None) -> list[int]:
+    """One user's generation: its own session, draft and sampling noise."""
     max_length = len(prompt) + TOKENS + in_flight * (MAX_TREE_NODES + 1)
     session = pipe.open(max_length)
+    if sessions is not None:
+        sessions.append(session)
     try:
         target = SessionSteps(pipe, session) if in_flight > 1 else \
             (lambda t, s, m, k: pipe.forward(session, t, s, m, keep=k))
@@ -92,13 +102,13 @@ def prompts() -> list[list[int]]:
     return [[(37 * i + 11 * j) % 2000 + 5 for j in range(6 + i)] for i in range(USERS)]
 
 
-def all_at_once(pipe, params, in_flight, drafts, seeds) -> tuple[list, list[SpecReport]]:
+def all_at_once(pipe, params, in_flight, drafts, seeds, sessions=None) -> tuple[list, list[SpecReport]]:
     results: list = [None] * USERS
     reports = [SpecReport() for _ in range(USERS)]
 
     def user(i: int) -> None:
         try:
-            results[i] = speculate(pipe, drafts[i], prompts()[i], params, in_flight, seeds[i], reports[i])
+            results[i] = speculate(pipe, drafts[i], prompts()[i], params, in_flight, seeds[i], reports[i], sessions)
         except Exception as e:  # noqa: BLE001 - asserted below
             results[i] = e
 
@@ -118,13 +128,22 @@ def test_concurrent_speculative_users_each_get_plain_greedy(tinycode_swarm, in_f
     from helpers import reference_greedy
     pipe, folder, servers = tinycode_swarm
     drafts = [DraftModel("tinycode-draft", 2048) for _ in range(USERS)]
+    sessions: list[str] = []
     for rounds in range(2):
-        results, reports = all_at_once(pipe, SamplingParams(), in_flight, drafts, [None] * USERS)
+        results, reports = all_at_once(pipe, SamplingParams(), in_flight, drafts, [None] * USERS, sessions)
         for i, prompt in enumerate(prompts()):
             expected = reference_greedy(folder, prompt, TOKENS, repetition_penalty=1.0)
             assert results[i] == expected, f"user {i}, round {rounds}"
     if in_flight > 1:
         assert sum(r.cancelled for r in reports) > 0
+    assert_audits_pass(pipe, sessions)
+
+
+def assert_audits_pass(pipe: RemotePipeline, sessions: list[str]) -> None:
+    """Every stage's reveal of each session, replayed, matches what it committed to: nobody accused."""
+    auditor = pipe.auditor
+    assert auditor.settle(sessions, timeout=120) == set(), auditor.caught_here
+    assert auditor.counts.failed == auditor.counts.refused == 0 and auditor.counts.passed > 0
 
 
 @pytest.mark.slow
@@ -185,3 +204,4 @@ def test_a_cancelled_step_queued_at_a_stage_keeps_the_cache_edits_it_carried(tin
     finally:
         pipe.close_session(check)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert_audits_pass(pipe, [session, other, check])  # the held step replayed as the stages applied it
