@@ -158,6 +158,25 @@ def test_a_newcomer_that_lies_is_caught_in_its_first_generation_at_the_default_r
     assert auditor.sent[0].accused == stages[1].peer_id and auditor.sent[0].kind == "wrong"
 
 
+@pytest.mark.parametrize("mode", ["identity", "noise@0.3", "bias"])
+def test_a_newcomer_nobody_can_check_has_its_tokens_taken_back_not_shown(mesh, tiny_llama, mode):
+    """A newcomer serving a span no member can load (no auditor answers, the entry loads none): its audits come back
+    unchecked, and unchecked is no pass. The stage is named with the caught ones (its tokens do not stand) and
+    routes avoid it, though it is neither banned nor accused: nothing proves it lied."""
+    name, _, fraction = mode.partition("@")
+    fault = Fault(name, float(fraction or 1), _token_direction(tiny_llama, 64) if name == "bias" else None)
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, fault, rate=DEFAULT_RATE)
+    newcomer = stages[1].peer_id
+    auditor.standing = lambda stage: 0 if stage == newcomer else 2 * PROBATION_PASSES  # the others established
+    auditor.runtime_for, auditor.auditors = None, lambda span, stage: []  # nobody can hold its layers
+    unverified: list[str] = []
+    auditor.on_unverified = lambda peer, why: unverified.append(peer)
+    session, _ = run(pipe, PROMPTS[1], 12)
+    assert auditor.settle([session]) == {newcomer}
+    assert unverified == [newcomer] and auditor.counts.unchecked >= 1 and auditor.counts.failed == 0
+    assert auditor.sent == [] and auditor.caught == {} and not pipe.node.bans.is_banned(newcomer)
+
+
 def test_honest_newcomers_pass_probation_then_are_audited_less_and_the_swarms_standing_counts(mesh, tiny_llama):
     pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
     auditor.rng = random.Random(7)  # (the draws, fixed: the counts below are exact, not likely)

@@ -65,7 +65,8 @@ class AuditCounts:
     passed: int = 0
     failed: int = 0  # caught: evidence sent
     refused: int = 0  # no checkable reveal: banned here, nobody else told
-    unchecked: int = 0  # no auditor could recompute it (nor this entry): the stage is not blamed
+    unchecked: int = 0  # no auditor could recompute it (nor this entry): the stage is not blamed (on probation, its
+    # tokens are taken back all the same: what nobody checked is not released)
     auditors_caught: int = 0  # peer auditors caught lying: a pass a second opinion proved wrong, a false accusation
 
     def as_json(self) -> dict[str, int]:
@@ -88,7 +89,8 @@ class Auditor:
                  standing: Callable[[str], int] = lambda stage: 0,
                  vouch: Callable[[str, Commit], None] | None = None,
                  auditors: Callable[[Span, str], list[list[str]]] = lambda span, stage: [],
-                 second_opinion: float = SECOND_OPINION):
+                 second_opinion: float = SECOND_OPINION,
+                 on_unverified: Callable[[str, str], None] = lambda peer, why: None):
         """`runtime_for(span)`: the span's layers to recompute with here (loaded on first use), or None: peer
         auditors recompute; `on_caught(peer, why)`: a stage failed an audit or refused one; `coordinator()`: whom
         to send evidence to; `report`: what is done with signed evidence (by default, it goes to the coordinator),
@@ -97,12 +99,14 @@ class Auditor:
         `vouch(session, commit)`: what is done with a pass (by default, it goes to the coordinator);
         `auditors(span, stage)`: the peers that may audit `stage` on `span`, in tiers (an auditor is drawn at
         random from the first tier that answers); `second_opinion`: the chance a peer auditor's pass is checked
-        by another one, always for a stage on probation."""
+        by another one, always for a stage on probation; `on_unverified(peer, why)`: a stage on probation that nobody
+        could check (its tokens do not stand: route around it while it is on probation; no ban, no evidence)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"the audit rate is a probability, got {rate}")
         self.node, self.runtime_for, self.rate = node, runtime_for, rate
         self.auditors, self.second_opinion = auditors, second_opinion
         self.on_caught, self.on_cleared, self.coordinator = on_caught, on_cleared, coordinator
+        self.on_unverified = on_unverified
         self._report = report or self._send_to_coordinator
         self.standing, self._vouch = standing, vouch or self._vouch_to_coordinator
         self.passed: dict[str, int] = {}  # stage -> audits it passed here
@@ -114,6 +118,7 @@ class Auditor:
         self._commits: dict[str, dict[str, list[Commit]]] = defaultdict(lambda: defaultdict(list))
         self._pending: dict[str, int] = defaultdict(int)  # session -> audits queued or running
         self._caught: dict[str, set[str]] = defaultdict(set)  # session -> stages caught in it
+        self._unverified: dict[str, set[str]] = defaultdict(set)  # session -> stages on probation nobody checked
         self._unobserved: dict[str, set[int]] = defaultdict(set)  # session -> steps sent, results not awaited
         self._drawn: dict[str, dict[str, int]] = defaultdict(dict)  # session -> stage -> last step drawn
         self._gone: dict[str, set[str]] = defaultdict(set)  # session -> stages that failed in it
@@ -182,13 +187,14 @@ class Auditor:
             self._unobserved[session].add(step)
 
     def settle(self, sessions: Sequence[str], timeout: float = SETTLE_S) -> set[str]:
-        """Wait for the audits of `sessions` (ended here if they were not), up to `timeout`; the stages caught in
-        them. The sessions are then forgotten (their state dropped once their last audit has run)."""
+        """Wait for the audits of `sessions` (ended here if they were not), up to `timeout`; the stages whose tokens
+        in them do not stand: caught, or on probation and checked by nobody. The sessions are then forgotten
+        (their state dropped once their last audit has run)."""
         for session in sessions:
             self.ended(session)
         with self._cond:
             self._cond.wait_for(lambda: not any(self._pending.get(s) for s in sessions), timeout)
-            caught = set().union(*(self._caught.get(s, set()) for s in sessions))
+            caught = set().union(*(self._caught.get(s, set()) | self._unverified.get(s, set()) for s in sessions))
             self._done.update(sessions)
             self._drop_done()
             return caught
@@ -207,7 +213,8 @@ class Auditor:
         for s in [s for s in self._done if not self._pending.get(s)]:
             self._done.discard(s)
             self._ended.discard(s)
-            for table in (self._commits, self._pending, self._caught, self._unobserved, self._drawn, self._gone):
+            for table in (self._commits, self._pending, self._caught, self._unverified, self._unobserved, self._drawn,
+                          self._gone):
                 table.pop(s, None)
 
     def accuse(self, evidence: Evidence) -> None:
@@ -245,9 +252,7 @@ class Auditor:
                  for tier in self.auditors(commits[0].span, job.stage)]
         first = self._peer_audit(ask, tiers)
         if first is None:
-            self._count("unchecked")
-            log.warning("no auditor could check %s's step %d (layers %s): left unchecked", job.stage, job.step,
-                        commits[0].span)
+            self._unchecked(job, f"no auditor could check layers {commits[0].span}")
             return
         auditor, answer = first
         if not answer.verdict.passed:
@@ -302,8 +307,7 @@ class Auditor:
                 finding = examine(self.node.peer_id, commits, revealed, self.runtime_for,
                                   self.node.config.max_tensor_bytes, complete=True, unobserved=unobserved)
         except CannotRecompute as e:
-            self._count("unchecked")
-            log.warning("cannot check %s's step %d here: %s", job.stage, job.step, e)
+            self._unchecked(job, f"this entry cannot check it: {e}")
             return
         except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
             if self._excused(job):
@@ -326,6 +330,19 @@ class Auditor:
         self._count("unchecked")
         log.info("%s failed during the session and cannot reveal its step %d: left unchecked", job.stage, job.step)
         return True
+
+    def _unchecked(self, job: _Job, why: str) -> None:
+        """Nobody could run the audit. An established stage is not blamed; one on probation is not trusted either:
+        the tokens it computed were held back for this audit, and are taken back (no ban, no evidence)."""
+        self._count("unchecked")
+        if not self.on_probation(job.stage):
+            log.warning("%s's step %d left unchecked: %s", job.stage, job.step, why)
+            return
+        log.warning("%s is on probation and its step %d went unchecked (%s): its tokens are taken back", job.stage,
+                    job.step, why)
+        with self._cond:
+            self._unverified[job.session].add(job.stage)
+        self.on_unverified(job.stage, why)
 
     def _passed(self, job: _Job, commits: list[Commit]) -> None:
         self._count("passed")

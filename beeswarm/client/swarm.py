@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 MAX_RECOVERIES = 5
 LOOKAHEAD_STEPS = 4  # steps' worth of KV a speculating session reserves past its tokens
 BUSY_BACKOFF_S = (0.1, 2.0)  # first wait and cap while every route's stages are full
+UNVERIFIED_S = 600.0  # a stage on probation that nobody could check is routed around this long (or till it passes)
 
 
 class NoRoute(Exception):
@@ -236,9 +237,10 @@ class SwarmClient:
         self._audit_lock = threading.Lock()
         self.auditor = Auditor(node, self._audit_runtime if self.options.audit_here else None, self.options.audit_rate,
                                self._caught, coordinator.leader, standing=self._standing, auditors=self._auditors,
-                               on_cleared=self._cleared) \
+                               on_cleared=self._cleared, on_unverified=self._unverified) \
             if self.options.audit_rate > 0 else None
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
+        self.unverified: dict[str, float] = {}  # stages on probation nobody could check -> when (monotonic)
         self.receipts = ReceiptBook(node, swarm_id(node.config.swarm, str(entry.ref)), payer)
 
     @property
@@ -277,8 +279,9 @@ class SwarmClient:
         return next((s.passed for s in self.coordinator.state.standings if s.node == stage), 0)
 
     def _caught_now(self) -> set[str]:
+        """The stages whose work earns no receipt: caught, or on probation and checked by nobody."""
         with self._lock:
-            return set(self.caught)
+            return set(self.caught) | set(self.unverified)
 
     def _caught(self, peer: str, why: str) -> None:
         """A stage failed or refused an audit: ban it, and fail the steps waiting on it now."""
@@ -289,6 +292,24 @@ class SwarmClient:
             pipes = list(self._pipes.values())
         for pipe in pipes:
             pipe.lose(peer, why)
+
+    def _unverified(self, peer: str, why: str) -> None:
+        """A stage on probation went unchecked: its tokens were taken back; routes avoid it while it is on probation
+        (UNVERIFIED_S at most, then it is tried again: an auditor may have come)."""
+        with self._lock:
+            self.unverified[peer] = time.monotonic()
+
+    def _avoided(self, peer: str) -> bool:
+        """Whether routes avoid `peer`: on probation, and lately nobody could check it."""
+        with self._lock:
+            since = self.unverified.get(peer)
+        if since is None:
+            return False
+        if time.monotonic() - since < UNVERIFIED_S and self._on_probation(peer):
+            return True
+        with self._lock:
+            self.unverified.pop(peer, None)
+        return False
 
     def _cleared(self, peer: str, why: str) -> None:
         """An auditor's accusation of `peer` was found false: it is not caught, nor banned, here."""
@@ -374,14 +395,19 @@ class SwarmClient:
             if why is not None:
                 raise NoRoute(f"cannot reach the swarm: {why}")
             time.sleep(0.1)
+        with self._lock:
+            unverified = sorted(self.unverified)
+        why = f"; routes avoid {', '.join(unverified)}: on probation, and no member could check its layers " \
+            "(its tokens are not shown unchecked)" if unverified else ""
         raise NoRoute(f"no complete route through the swarm within {timeout:.0f} s "
-                      f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch})")
+                      f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch}){why}")
 
     def find_route(self) -> Pipeline | None:
         """A usable route now, or None (`route` waits for one)."""
         connected = set(self.node.connected_peers())  # a stage whose connection dropped is not routed into
         return find_route(self.coordinator.state.active, self.members.view(),
-                          lambda peer: peer in connected and not self.node.bans.is_banned(peer))
+                          lambda peer: peer in connected and not self.node.bans.is_banned(peer)
+                          and not self._avoided(peer))
 
     def _pipeline(self, route: Route) -> RemotePipeline:
         """The pipeline over `route`; pipelines over routes the active plan no longer has (or in another mode than
