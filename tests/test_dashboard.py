@@ -237,3 +237,73 @@ def test_contribute_with_a_missing_model_says_so_before_any_screen(cli_env, tmp_
     code, screen = in_terminal(argv, cli_env, b"", b"", timeout=60)
     assert code == 2 and b"beeswarm: error: model" in screen
     assert b"\x1b[?1049h" not in screen  # the dashboard's alternate screen never opened
+
+
+def test_a_terminal_that_stops_reading_never_freezes_the_node(tiny_llama, cli_env, tmp_path):
+    """Ctrl-S, a slow SSH link: the dashboard's terminal stops reading for 30 s while a newcomer joins (the swarm
+    re-plans, and the node logs under its locks). The node keeps beating and serving: the swarm never drops it.
+    Then the terminal reads again, and `q` leaves as ever."""
+    import fcntl
+    import json
+    import pty
+    import select
+    import struct
+    import termios
+
+    budget = budgets(str(tiny_llama), 2)[0]
+    procs: list = []
+    pid = fd = None
+
+    def members(boot: str) -> dict[str, float]:
+        out = subprocess.run([sys.executable, "-m", "beeswarm", "status", "--join", boot, "--json", "--heartbeat",
+                              "1"], capture_output=True, text=True, timeout=60, env=cli_env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return {m["peer"]: m["heartbeat_age_s"] for m in json.loads(out.stdout)["members"] if m["role"] != "client"}
+
+    def read(seconds: float) -> bytes:
+        seen, deadline = b"", time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:
+                    break
+        return seen
+
+    try:
+        from helpers import start_contributors, wait_for
+        peers, boot = start_contributors(procs, tiny_llama, 1, budget, cli_env, tmp_path)
+        argv = [sys.executable, "-m", "beeswarm", "contribute", "--model", str(tiny_llama), "--listen", LOCAL[0],
+                "--max-memory", str(budget), "--heartbeat", "1", "--join", boot]
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: the dashboard on a wide terminal (more to draw, so a full buffer comes sooner)
+            try:
+                fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 240, 0, 0))
+                os.execve(argv[0], argv, {**cli_env, "TERM": "xterm-256color",
+                                          "BEESWARM_CONFIG_DIR": str(tmp_path / "d")})
+            finally:
+                os._exit(127)
+        assert b"Re-benchmark" in read(60)
+        dashboard = wait_for(lambda: next(iter(set(members(boot)) - set(peers)), None), 60,
+                             "the dashboard node to join")
+        # the terminal stops reading; a newcomer joins: a re-plan, and log lines on the dashboard's node
+        start_contributors(procs, tiny_llama, 1, budget, cli_env, tmp_path, join=boot)
+        stalled = time.monotonic() + 30
+        while time.monotonic() < stalled:
+            ages = members(boot)
+            assert dashboard in ages and ages[dashboard] < 3, f"the stalled dashboard's node was dropped: {ages}"
+            time.sleep(1)
+        read(2)  # the terminal reads again
+        os.write(fd, b"q")
+        read(30)
+        _, status = os.waitpid(pid, 0)
+        pid = None
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        if pid is not None:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        if fd is not None:
+            os.close(fd)
+        for p in procs:
+            p.kill()

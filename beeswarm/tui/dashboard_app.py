@@ -35,6 +35,7 @@ Panels: this node and its swarm; start-up progress; this node's shard; what it s
 from this node); the log."""
 
 REFRESH_S = 0.5
+LOG_S = 0.2  # the log panel is written this often
 PANEL_TITLES = {"identity": "node", "phases": "start-up", "shard": "my shard", "serving": "serving",
                 "peers": "peers", "log": "log"}
 log = logging.getLogger(__name__)
@@ -70,10 +71,11 @@ class DashboardApp(App):
     def on_mount(self) -> None:
         for panel, title in PANEL_TITLES.items():
             self.query_one(f"#{panel}").border_title = title
-        self._handler = PanelHandler(self, self.query_one(LogPanel))
+        self._handler = PanelHandler()
         logging.getLogger().addHandler(self._handler)
         self.refresh_status()
         self.set_interval(REFRESH_S, self.refresh_status)
+        self.set_interval(LOG_S, self.write_log)
         if self.start_backend:
             self.serve()
 
@@ -84,6 +86,10 @@ class DashboardApp(App):
             log.exception("could not read the contributor's status")
             return
         self.show(status)
+
+    def write_log(self) -> None:
+        if self._handler is not None and (lines := self._handler.lines()):
+            self.query_one(LogPanel).write_lines(lines)
 
     def show(self, s: ContributorStatus) -> None:
         self.sub_title = f"{s.state}, {s.serving.tokens_per_s:.1f} tok/s"

@@ -1,11 +1,12 @@
 """The log, fed by Python's logging from any thread."""
 from __future__ import annotations
 
+import collections
 import logging
-import threading
 
-from textual.app import App
 from textual.widgets import Log
+
+KEPT_LINES = 2000  # lines waiting for the panel at most (the oldest go first)
 
 
 class LogPanel(Log):
@@ -13,23 +14,34 @@ class LogPanel(Log):
 
 
 class PanelHandler(logging.Handler):
-    """Sends records to a LogPanel in its app's loop; drops them once the app has closed.
+    """Keeps records for a LogPanel; the app writes them out on its own timer (`lines`).
 
-    Create it in the app's thread (on mount): records from that thread are written directly."""
+    `emit` never waits for the app: a terminal that stops reading (Ctrl-S, a slow SSH link) stalls the app's loop,
+    and a handler waiting on it would stall every thread that logs, the node's p2p loop among them, holding
+    whatever lock it logged under. While the app is stalled, lines past KEPT_LINES are dropped, and counted."""
 
-    def __init__(self, app: App, panel: LogPanel, level: int = logging.INFO):
+    def __init__(self, level: int = logging.INFO):
         super().__init__(level)
-        self.app, self.panel, self.loop_thread = app, panel, threading.get_ident()
+        self._waiting: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
+        self.dropped = 0  # lines dropped while the panel was not written (counted, then shown as one line)
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not self.app.is_running:
-            return
-        line = self.format(record)
         try:
-            if threading.get_ident() == self.loop_thread:
-                self.panel.write_line(line)
-            else:
-                self.app.call_from_thread(self.panel.write_line, line)
-        except RuntimeError:  # the app closed meanwhile
-            pass
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - logging's own contract: a bad record is reported, never raised
+            self.handleError(record)
+            return
+        if len(self._waiting) == KEPT_LINES:
+            self.dropped += 1
+        self._waiting.append(line)  # (a deque's append and popleft are thread-safe)
+
+    def lines(self) -> list[str]:
+        """The lines logged since the last call (in the app's thread), with a note of any dropped."""
+        out = []
+        if self.dropped:
+            out.append(f"({self.dropped} log lines dropped while the screen was not updated)")
+            self.dropped = 0
+        while self._waiting:
+            out.append(self._waiting.popleft())
+        return out
