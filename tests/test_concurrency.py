@@ -23,20 +23,46 @@ USERS = 8
 TOKENS = 24
 
 
+class Gate(threading.Event):
+    """Set: passes go through. Clear: a pass waits for it inside the layers (`held` says one does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = threading.Event()
+        self.set()
+
+    def hold(self) -> None:
+        self.held.clear()
+        self.clear()
+
+
+class GatedLayer(torch.nn.Module):
+    """A decoder layer that, while `gate` is clear, waits for it before computing: its pass is a long one."""
+
+    def __init__(self, layer: torch.nn.Module, gate: Gate):
+        super().__init__()
+        self.layer, self.gate = layer, gate
+
+    def forward(self, *args, **kwargs):
+        if not self.gate.is_set():
+            self.gate.held.set()
+            self.gate.wait(30)
+        return self.layer(*args, **kwargs)
+
+
 class ComputeBound(SpanRuntime):
     """A span whose every batched pass takes `pass_s` longer: a stage slower than its entries (a real model's
     compute), so steps queue behind each other and cancels land on queued ones. While `gate` is clear, a pass
-    waits for it: the stage is busy, and what arrives queues."""
+    waits for it inside its first layer: the stage is busy, and what arrives queues."""
 
     pass_s = 0.02
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
-        self.gate.set()
+        self.gate = Gate()
+        self.layers[0] = GatedLayer(self.layers[0], self.gate)
 
     def step(self, inputs):
-        self.gate.wait(30)
         time.sleep(self.pass_s)
         return super().step(inputs)
 
@@ -181,14 +207,14 @@ def test_a_cancelled_step_queued_at_a_stage_keeps_the_cache_edits_it_carried(tin
         # a tree: x0, then a and b both under it; the walk takes x0 and b
         tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
         pipe.collect(session, pipe.submit(session, torch.tensor([x0, a, b]), n, tree))
-        gate.clear()  # the first stage is busy with another session's step...
+        gate.hold()  # the first stage is busy with another session's step...
         blocker = pipe.submit(other, torch.tensor([x0]), n)
-        from helpers import wait_for
-        wait_for(lambda: first.queued == 0, 10, "the first stage to take the other session's step")
+        assert gate.held.wait(10), "the first stage never took the other session's step"
         # ...while this session's next step (keeping x0 and b, then c under b) and a step that cancels it (the
         # target's token after b was y, not c) queue behind it
         late = pipe.submit(session, torch.tensor([c]), n + 2, None, (n, [0, 2]))
         cancelling = pipe.submit(session, torch.tensor([y]), n + 2, None, None, cancel=True)
+        from helpers import wait_for
         wait_for(lambda: first.queued == 2, 10, "both steps to queue at the first stage")
         gate.set()
         pipe.discard(session, late)
@@ -205,3 +231,24 @@ def test_a_cancelled_step_queued_at_a_stage_keeps_the_cache_edits_it_carried(tin
         pipe.close_session(check)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert_audits_pass(pipe, [session, other, check])  # the held step replayed as the stages applied it
+
+
+def test_a_long_pass_never_holds_up_session_opens_or_a_plan_change(tinycode_swarm):
+    """While a stage's layers run a long pass (a big prefill, an audit's replay), a new user's session still opens,
+    and a plan change (in the node's loop) still goes through: neither waits for the layers."""
+    pipe, _, servers = tinycode_swarm
+    first, gate = servers[0], servers[0].runtime_gate
+    busy = pipe.open(64)
+    gate.hold()
+    try:
+        step = pipe.submit(busy, torch.tensor(prompts()[0]), 0)
+        assert gate.held.wait(10), "the first stage never started the long pass"
+        t0 = time.monotonic()
+        other = pipe.open(64)
+        first.keep_only(set(first.spans))
+        assert time.monotonic() - t0 < 5, "a session open or a plan change waited for the layers"
+    finally:
+        gate.set()
+    pipe.collect(busy, step)
+    pipe.close_session(busy)
+    pipe.close_session(other)

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from beeswarm.p2p import reach, wire
-from beeswarm.p2p.channel import Channel
+from beeswarm.p2p.channel import Channel, Outbox
 from beeswarm.p2p.errors import PeerUnavailable
 from beeswarm.p2p.probe import Prober
 from beeswarm.p2p.requests import reply_decoder
@@ -466,3 +466,39 @@ def test_a_relay_slot_is_renewed_before_it_lapses_and_taken_again_when_its_conne
 
     again = wait_for(taken_again, 10, "the slot taken again")
     assert again.taken > renewed.taken and node.is_connected(relay.peer_id)
+
+
+class PeersThatMayStopReading:
+    """A channel pool whose sends to the peers in `frozen` block (the peer stopped reading: its window is full)
+    until `thaw` is set (`stuck`: one is blocked); what reaches each peer is recorded in order."""
+
+    def __init__(self, frozen: set[str]):
+        self.frozen, self.thaw, self.stuck, self.got = frozen, threading.Event(), threading.Event(), {}
+
+    def send(self, peer: str, protocol: str, body: bytes) -> None:
+        if peer in self.frozen:
+            self.stuck.set()
+            self.thaw.wait(30)
+        self.got.setdefault(peer, []).append(body)
+
+    def close(self) -> None:
+        self.thaw.set()
+
+
+def test_an_outbox_never_makes_its_caller_wait_for_a_peer_that_stopped_reading():
+    """A stage's compute thread sends through an outbox: a next hop that stops reading holds up only what goes to
+    it (in order once it reads again); past the outbox's depth its frames fail at once, never blocking."""
+    pool = PeersThatMayStopReading({"frozen"})
+    outbox, failed = Outbox(pool, depth=4), []
+    outbox.send("frozen", "/p", b"0", failed.append)
+    assert pool.stuck.wait(5)  # its sender is stuck on the peer
+    t0 = time.monotonic()
+    for i in range(1, 6):
+        outbox.send("frozen", "/p", b"%d" % i, failed.append)
+    assert time.monotonic() - t0 < 1.0 and len(failed) == 1 and "frames already wait" in str(failed[0])
+    for i in range(3):  # another peer is served meanwhile
+        outbox.send("live", "/p", b"%d" % i, failed.append)
+    wait_for(lambda: pool.got.get("live") == [b"0", b"1", b"2"], 5, "the live peer's frames")
+    pool.thaw.set()
+    wait_for(lambda: pool.got.get("frozen") == [b"0", b"1", b"2", b"3", b"4"], 5, "the thawed peer's frames, in order")
+    outbox.close()

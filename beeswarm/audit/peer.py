@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 import msgspec
 import torch
@@ -68,7 +67,8 @@ def commissioned(c: Commission, auditor: str, stage: str, session: str, step: in
 
 class PeerAuditService:
     """A contributor's side (`ids.PEER_AUDIT`): audit a stage for the entry that commissioned this node, one
-    audit at a time (it recomputes on the device that serves), with `runtime_for`'s layers."""
+    audit at a time (it recomputes on the device that serves; the others wait their turn without a thread of
+    the node's shared pool), with `runtime_for`'s layers."""
 
     def __init__(self, node: Node, runtime_for: RuntimeFor):
         self.node, self.runtime_for = node, runtime_for
@@ -76,11 +76,11 @@ class PeerAuditService:
         if self.lax:
             log.warning("TEST FAULT ON: this auditor passes every audit without checking (%s)", LAX_ENV)
         self.audits = 0
-        self._one_at_a_time = threading.Lock()
         self._reveals = reply_decoder(Revealed, limit=node.config.max_tensor_bytes)
 
     def start(self) -> None:
-        self.node.serve(ids.PEER_AUDIT, self._on_ask, Decoder(AuditAsk, limit=self.node.config.max_tensor_bytes))
+        self.node.serve(ids.PEER_AUDIT, self._on_ask, Decoder(AuditAsk, limit=self.node.config.max_tensor_bytes),
+                        threads=1)
 
     def _on_ask(self, peer: str, ask: AuditAsk) -> Message:
         c, commits = ask.commission, ask.commits
@@ -89,9 +89,8 @@ class PeerAuditService:
         if not commits or any(x.stage != c.stage or x.span != commits[0].span or x.step > c.step for x in commits) \
                 or max(x.step for x in commits) != c.step:
             raise ProtocolError("the commitments are not the stage's, for the session up to the commissioned step")
-        with self._one_at_a_time:
-            self.audits += 1
-            return self._audit(ask)
+        self.audits += 1
+        return self._audit(ask)
 
     def _audit(self, ask: AuditAsk) -> Message:
         c, commits = ask.commission, ask.commits

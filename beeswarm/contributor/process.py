@@ -410,14 +410,19 @@ class Contributor:
             self.lifecycle.load_failed()
             return
         with self._lock:
-            if self.server is None:
-                weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
-                self.server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
-                                          link_rate=self._link_rate,
-                                          fault=Fault.from_env(runtime.folder, runtime.hidden_size),
-                                          coordinator=self.coordinator.follower.leader,
-                                          credit=self._credit).start()
-            else:
-                self.server.add(runtime)  # the old span keeps serving until the plan drops it
-            self.lifecycle.loaded(span, offload_fraction, self.server.spans)
+            server = self.server
+        if server is None:  # the first span: started outside the lock (start() waits on the node's loop, where
+            # the plan listener takes the lock)
+            weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
+            server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
+                                 link_rate=self._link_rate, fault=Fault.from_env(runtime.folder, runtime.hidden_size),
+                                 coordinator=self.coordinator.follower.leader, credit=self._credit).start()
+        else:
+            server.add(runtime)  # the old span keeps serving until the plan drops it
+        with self._lock:
+            self.server = server
+            plan = self.coordinator.state  # (a plan that came meanwhile found no server to tell)
+            server.keep_only({s.span for s in stages_of(plan.target, self.identity.peer_id)
+                              + stages_of(plan.active, self.identity.peer_id)} | {span})
+            self.lifecycle.loaded(span, offload_fraction, server.spans)
         self.say(Event("serving", f"serving layers {span}", {"start": span.start, "end": span.end}))

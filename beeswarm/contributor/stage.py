@@ -35,7 +35,7 @@ from beeswarm.audit.faults import Fault
 from beeswarm.audit.peer import commissioned
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.contributor import admission
-from beeswarm.p2p.channel import Channel, ChannelPool
+from beeswarm.p2p.channel import Channel, ChannelPool, Outbox
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.signatures import verify_bytes
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 16
 MAX_SESSIONS_PER_PEER = 64
+REVEAL_THREADS = 2  # reveals encoded at once (a long session's reveal is megabytes: off the shared pool)
 KEPT_CODECS = 64  # link codecs kept for peers no session uses now (their adaptive layout and rates learnt)
 _session_requests: Decoder[Open | Close] = Decoder(Open, Close)
 _reveal_requests: Decoder[Reveal] = Decoder(Reveal)
@@ -121,12 +122,13 @@ class StageServer:
         self.clock = clock
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
+        self._opening: dict[str, int] = {}  # sessions being allocated -> the KV bytes reserved for them
         self.steps = self.tokens = 0  # written by the compute thread only
         self.compute_s = 0.0  # seconds its layers computed
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are not computed
         self._pending: collections.deque[_Step] = collections.deque()  # taken off the queue, not run: arrival order
-        self._out = ChannelPool(node.open_channel)
+        self._out = Outbox(ChannelPool(node.open_channel))  # the compute thread never waits on a peer
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
         # per peer a session links to, most recently used last: what a link's codec learnt outlives a session (an
         # entry opens one per generation); beyond KEPT_CODECS, a peer no session uses loses its codec
@@ -144,7 +146,7 @@ class StageServer:
 
     def start(self) -> StageServer:
         self.node.serve(ids.SESSION, self._on_session, _session_requests)
-        self.node.serve(ids.AUDIT, self._on_reveal, _reveal_requests)
+        self.node.serve(ids.AUDIT, self._on_reveal, _reveal_requests, threads=REVEAL_THREADS)
         self.node.serve_channel(ids.STEP, self._on_step_channel)
         self._worker = threading.Thread(target=self._compute_loop, name="stage-compute", daemon=True)
         self._worker.start()
@@ -235,7 +237,8 @@ class StageServer:
             log.info("session %s of %s closed: served %d layer-tokens paid by %s", msg.session, peer, session.served,
                      session.payer)
             return Closed()
-        # One lock over check, allocation and insert: concurrent opens must not both pass the budget.
+        # The budget is checked and the session's room reserved under one lock (concurrent opens must not both
+        # pass it); the cache is allocated outside it (a plan change in the node's loop takes this lock).
         with self._lock:
             runtime = self.runtimes.get(msg.span) if msg.span not in self._draining else None
             if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
@@ -248,8 +251,10 @@ class StageServer:
             need = runtime.kv_bytes(msg.max_length)
             payer = self._payer(peer, msg)
             rank = admission.tier(self.credit(payer))
+            if key in self.sessions or key in self._opening:
+                return ErrorReply(error=f"session {msg.session!r} is already open")
             if self.kv_budget_bytes is not None:
-                used = sum(s.kv_bytes for s in self.sessions.values())
+                used = sum(s.kv_bytes for s in self.sessions.values()) + sum(self._opening.values())
                 if used + need > self.kv_budget_bytes:
                     if need <= self.kv_budget_bytes:  # one that can never fit waits for nothing
                         self.waiting.refused(payer, rank)
@@ -259,10 +264,15 @@ class StageServer:
             if ahead := self.waiting.ahead(payer, rank):
                 return ErrorReply(error=f"room is kept for {ahead} waiting entr{'ies' if ahead > 1 else 'y'} with "
                                         "more credit", busy=True)
-            try:
-                runtime.open(key, msg.max_length)
-            except SessionError as e:
-                return ErrorReply(error=str(e))
+            self._opening[key] = need
+        try:
+            runtime.open(key, msg.max_length)
+        except SessionError as e:
+            return ErrorReply(error=str(e))
+        finally:
+            with self._lock:
+                del self._opening[key]
+        with self._lock:
             self.waiting.admitted(payer)
             self.sessions[key] = _Session(key, runtime, peer, msg.session, msg.prev, msg.next, self.clock(),
                                           msg.compress, need, payer)
@@ -437,11 +447,9 @@ class StageServer:
             return
         self.step_log.record(session.key, LoggedStep.held_step(msg.step, msg.start, msg.mask, msg.keep, positions))
         if session.next is not None:
-            held = msgspec.structs.replace(msg, frame=b"", commits=(), held=positions)
-            try:
-                self._out.send(session.next, ids.STEP, encode(held))
-            except NodeError as e:
-                self._fail(item, f"cannot reach the next stage: {e}", culprit=session.next)
+            self._out.send(session.next, ids.STEP, encode(msgspec.structs.replace(msg, frame=b"", commits=(),
+                                                                                 held=positions)),
+                           lambda e: self._fail(item, f"cannot reach the next stage: {e}", culprit=session.next))
 
     def _check_previous(self, item: _Step, session: _Session) -> None:
         """The previous stage's commitment must be the last one carried, signed, and name what arrived: an
@@ -500,19 +508,17 @@ class StageServer:
                                                  commits=commits)
         else:
             protocol, reply = ids.STEP, msgspec.structs.replace(item.msg, frame=frame, commits=commits)
-        try:
-            self._out.send(target, protocol, encode(reply))
-        except NodeError as e:
+        def failed(e: NodeError) -> None:
             if target != session.entry:  # tell the entry at once, naming the hop that failed
                 self._fail(item, f"cannot reach the next stage: {e}", culprit=target)
             else:
                 log.warning("cannot return a result to %s: %s", target, e)
 
+        self._out.send(target, protocol, encode(reply), failed)
+
     def _fail(self, item: _Step, error: str, culprit: str | None = None, stale: bool = False) -> None:
         log.info("step %s of %s failed: %s", item.msg.step, item.key, error)
         reply = StepError(session=item.msg.session, step=item.msg.step, error=error[:500],
                           culprit=culprit or self.node.peer_id, stale=stale)
-        try:
-            self._out.send(item.msg.entry, ids.RESULT, encode(reply))
-        except NodeError as e:
-            log.info("cannot report the error to %s: %s", item.msg.entry, e)
+        self._out.send(item.msg.entry, ids.RESULT, encode(reply),
+                       lambda e: log.info("cannot report the error to %s: %s", item.msg.entry, e))

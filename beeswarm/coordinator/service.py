@@ -184,7 +184,8 @@ class Coordinator:
         self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
         self.node.serve(ids.PASSED, self._on_passed, _passes)
         if self._judge is not None:
-            self.node.serve(ids.EVIDENCE, self._on_evidence, Decoder(Evidence, limit=self.node.config.max_tensor_bytes))
+            self.node.serve(ids.EVIDENCE, self._on_evidence, Decoder(Evidence, limit=self.node.config.max_tensor_bytes),
+                            threads=1)  # judging recomputes a span: one at a time, off the shared pool
         self.members.listeners.append(self._on_member)
         self.node.add_task(self._loop)
 

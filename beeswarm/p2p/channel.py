@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -173,6 +175,62 @@ class ChannelPool:
             channels, self._open = list(self._open.values()), {}
         for channel in channels:
             channel.close()
+
+
+class Outbox:
+    """Frames queued per (peer, protocol), each queue sent in order by a thread of its own (gone after IDLE_S
+    idle): the caller never waits on a peer. A next hop that stops reading stalls only what goes to it, not the
+    compute thread that serves every session; past `depth` frames waiting for one peer, more fail at once."""
+
+    IDLE_S = 30.0
+
+    def __init__(self, pool: ChannelPool, depth: int = 64):
+        self.pool, self.depth = pool, depth
+        self._queues: dict[tuple[str, str], queue.Queue[tuple[bytes, Callable[[NodeError], None]] | None]] = {}
+        self._lock = threading.Lock()
+
+    def send(self, peer: str, protocol: str, body: bytes, failed: Callable[[NodeError], None]) -> None:
+        """Queue `body` for `peer`; `failed(error)` runs (in the sending thread, or here when the queue is full)
+        if it cannot be sent."""
+        key = (peer, protocol)
+        with self._lock:
+            waiting = self._queues.get(key)
+            if waiting is None:
+                waiting = self._queues[key] = queue.Queue(self.depth)
+                threading.Thread(target=self._drain, args=(key, waiting), name=f"outbox-{peer[-8:]}",
+                                 daemon=True).start()
+            try:
+                waiting.put_nowait((body, failed))
+                return
+            except queue.Full:
+                pass
+        failed(NodeError(f"{peer} takes nothing: {self.depth} frames already wait for it"))
+
+    def _drain(self, key: tuple[str, str], waiting: queue.Queue) -> None:
+        while True:
+            try:
+                item = waiting.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if waiting.empty():
+                        del self._queues[key]
+                        return
+                continue
+            if item is None:
+                return
+            body, failed = item
+            try:
+                self.pool.send(*key, body)
+            except NodeError as e:
+                failed(e)
+
+    def close(self) -> None:
+        with self._lock:
+            queues, self._queues = list(self._queues.values()), {}
+        for waiting in queues:
+            with contextlib.suppress(queue.Full):
+                waiting.put_nowait(None)
+        self.pool.close()
 
 
 async def accept(host: Host, protocol: str, on_channel: Callable[[Channel], None], limit: int, stream: Any) -> None:

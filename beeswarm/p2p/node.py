@@ -440,12 +440,16 @@ class Node:
             self._host.set_stream_handler(TProtocol(protocol), wrapped)
 
     # request / response -----------------------------------------------------------------------
-    def serve(self, protocol: str, handler: Handler, requests: Decoder[Any]) -> None:
+    def serve(self, protocol: str, handler: Handler, requests: Decoder[Any], threads: int | None = None) -> None:
         """Answer requests on `protocol`, decoded by `requests`. A sync handler runs in a worker thread;
         an async one in the loop. It gets (peer id, message) and returns the reply; raising
         `ProtocolError` answers with an error and counts against the peer; other exceptions answer
-        "internal error"."""
-        self._set_handler(protocol, functools.partial(self.requests.serve_stream, protocol, handler, requests))
+        "internal error". `threads`: work that may take seconds (audits, reveals, judging) gets that many
+        threads of its own, the requests past them waiting their turn without a thread; None: trio's shared
+        pool, which serves session opens, beats and every quick handler and must never run out."""
+        limiter = trio.CapacityLimiter(threads) if threads is not None else None
+        self._set_handler(protocol, functools.partial(self.requests.serve_stream, protocol, handler, requests,
+                                                      limiter))
 
     def request(self, peer: str, protocol: str, msg: Message, replies: Decoder[Any], timeout: float = 10.0,
                 limit: int = CONTROL_LIMIT) -> Any:

@@ -40,8 +40,10 @@ class Requests:
             del self._idle[key]
 
     # serving ----------------------------------------------------------------------------------
-    async def serve_stream(self, protocol: str, handler: Handler, requests: Decoder[Any], stream: Any) -> None:
-        """Serve requests on one stream until the peer closes it."""
+    async def serve_stream(self, protocol: str, handler: Handler, requests: Decoder[Any],
+                           limiter: trio.CapacityLimiter | None, stream: Any) -> None:
+        """Serve requests on one stream until the peer closes it; a sync handler runs in a thread of `limiter`
+        (None: trio's shared pool)."""
         peer = str(stream.muxed_conn.peer_id)
         try:
             if not await self.node.gate.admit(peer):
@@ -63,17 +65,18 @@ class Requests:
                     await wire.write_frame(stream, encode(ErrorReply(error=f"bad request: {e}")))
                     return
                 first = False
-                await wire.write_frame(stream, encode(await self._handle(protocol, handler, peer, msg)))
+                await wire.write_frame(stream, encode(await self._handle(protocol, handler, peer, msg, limiter)))
         except Exception as e:  # noqa: BLE001 - the peer went away mid-request
             log.debug("request stream %s from %s: %s", protocol, peer, e)
         finally:
             await close_stream(stream)
 
-    async def _handle(self, protocol: str, handler: Handler, peer: str, msg: Message) -> Message:
+    async def _handle(self, protocol: str, handler: Handler, peer: str, msg: Message,
+                      limiter: trio.CapacityLimiter | None) -> Message:
         try:
             if inspect.iscoroutinefunction(handler):
                 return await handler(peer, msg)
-            return await trio.to_thread.run_sync(handler, peer, msg)  # type: ignore[arg-type]
+            return await trio.to_thread.run_sync(handler, peer, msg, limiter=limiter)  # type: ignore[arg-type]
         except ProtocolError as e:
             self.node.strike(peer, f"{protocol}: {e}")
             return ErrorReply(error=str(e))

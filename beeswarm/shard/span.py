@@ -108,7 +108,8 @@ class SpanRuntime:
         self.head_dim = head_dim(self.config)
         self.windows = [sliding_window(self.config, i) for i in range(span.start, span.end)]
         self.sessions: dict[str, SessionKV] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one pass at a time through the layers
+        self._table = threading.Lock()  # `sessions`: never held across a pass (opening one never waits for it)
 
     @classmethod
     def load(cls, ref: str, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0,
@@ -130,19 +131,21 @@ class SpanRuntime:
         limit = self.config.max_position_embeddings
         if not 0 < max_length <= limit:
             raise SessionError(f"max_length {max_length} is outside 1..{limit} (the model's context)")
-        with self._lock:
+        if session_id in self.sessions:
+            raise SessionError(f"session {session_id!r} is already open")
+        try:  # (outside the locks: a long session's cache takes a while to allocate)
+            kv = SessionKV.allocate(len(self.span), self.config.num_key_value_heads, max_length, self.head_dim,
+                                    self.dtype, self.device)
+        except (RuntimeError, MemoryError) as e:  # torch raises OutOfMemoryError (a RuntimeError)
+            raise SessionError(f"no memory for a session of {max_length} tokens "
+                               f"({self.kv_bytes(max_length)} bytes)") from e
+        with self._table:
             if session_id in self.sessions:
                 raise SessionError(f"session {session_id!r} is already open")
-            try:
-                kv = SessionKV.allocate(len(self.span), self.config.num_key_value_heads, max_length, self.head_dim,
-                                        self.dtype, self.device)
-            except (RuntimeError, MemoryError) as e:  # torch raises OutOfMemoryError (a RuntimeError)
-                raise SessionError(f"no memory for a session of {max_length} tokens "
-                                   f"({self.kv_bytes(max_length)} bytes)") from e
             self.sessions[session_id] = kv
 
     def close(self, session_id: str) -> None:
-        with self._lock:
+        with self._table:
             self.sessions.pop(session_id, None)
 
     def keep(self, session_id: str, start: int, indices: list[int]) -> None:
@@ -166,10 +169,11 @@ class SpanRuntime:
         return self._session(session_id).length
 
     def _session(self, session_id: str) -> SessionKV:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise SessionError(f"unknown session {session_id!r}") from None
+        with self._table:
+            kv = self.sessions.get(session_id)
+        if kv is None:
+            raise SessionError(f"unknown session {session_id!r}")
+        return kv
 
     # compute --------------------------------------------------------------------------------------
     def _check(self, x: StepInput, kv: SessionKV) -> None:
