@@ -19,6 +19,8 @@ from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.speculate import SpecReport, speculative_generate
 from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
 
+pytestmark = pytest.mark.slow  # a swarm of real nodes, 8 users at once: `make test` only
+
 USERS = 8
 TOKENS = 24
 

@@ -343,6 +343,25 @@ def test_replanning_keeps_a_good_enough_plan_and_migrates_make_before_break():
                            0.10) == (new, new)
 
 
+def test_a_loss_keeps_the_surviving_replicas_routable_while_the_new_target_loads():
+    """Two replicas serve; a node of one dies, and the re-plan moves layers (a new target still loading). Clients
+    keep routing over the replica that survived instead of waiting for the loads."""
+    def info(peer, layers=None):
+        return NodeInfo(peer=peer, memory_bytes=10**9, state="serving", layers=layers,
+                        bench={"layer_ms_base": 1.0, "layer_ms_per_token": 0.0})
+
+    def pipe(*stages):
+        return Pipeline(stages=tuple(Stage(node=n, span=Span(a, b)) for n, a, b in stages))
+
+    first, second = pipe(("A", 0, 4), ("B", 4, 8)), pipe(("C", 0, 4), ("D", 4, 8))
+    view = {"A": info("A", Span(0, 4)), "C": info("C", Span(0, 4)), "D": info("D", Span(4, 8))}  # B died
+    cluster = cluster_from_members(view, MODEL, Workload())
+    new = (pipe(("A", 0, 8)), second)  # A loads the whole model: not yet
+    active, target = next_assignment(cluster, new, 10.0, PlanState(term=1, epoch=2, active=(first, second),
+                                                                    target=(first, second)), view, 0.10)
+    assert target == new and active == (second,)
+
+
 def test_clients_route_over_the_active_plan_while_its_stages_load_their_next_spans():
     """Make-before-break on the client's side: a stage loading (or done loading) its target span still
     serves its active one, and its heartbeat's `spans` say so; a leaving or banned stage is skipped."""

@@ -170,8 +170,12 @@ class Api:
         shape = Shape(chat, self.completer.model_id, len(ids))
         worker = Worker(lambda push: self.completer.run(job, push), job, self.admission.leave)
         if body.stream:
-            return EventSourceResponse(shape.stream(worker, body.include_usage), sep="\n")
+            # (comments every KEEP_ALIVE_S while nothing comes: a failover waiting for a re-plan loses no client)
+            return EventSourceResponse(shape.stream(worker, body.include_usage), sep="\n", ping=KEEP_ALIVE_S)
         return await shape.whole(worker)
+
+
+KEEP_ALIVE_S = 10
 
 
 class Worker:

@@ -18,7 +18,8 @@ from beeswarm.client.textstream import TextStream, stop_ids
 from beeswarm.generation.generate import EndGeneration
 from beeswarm.generation.sampling import ModelDefaults, SamplingParams
 
-ROUTE_WAIT_S = 5.0  # how long a request waits for a route before a 503
+ROUTE_WAIT_S = 5.0  # a request waits for a route at least this long before a 503 (longer while the swarm moves
+# towards one: `SwarmClient.route`, the same rule `chat` follows, mid-stream failovers included)
 
 
 def no_route(e: NoRoute) -> ApiError:

@@ -35,6 +35,7 @@ from beeswarm.shard.entry import EntryModel
 log = logging.getLogger(__name__)
 
 Route = tuple[Stage, ...]  # stages covering every layer in order
+CLOSE_AFTER_FAILURE_S = 5.0  # a session's other stages are told it closed, after a failure, this briefly
 _session_replies = reply_decoder(Opened, Closed)
 
 
@@ -108,6 +109,11 @@ class StageFailed(Exception):
     def __init__(self, peer: str, message: str):
         super().__init__(f"stage {peer}: {message}")
         self.peer = peer
+
+
+class StepTimedOut(StageFailed):
+    """No result within the step timeout and no stage known gone: in a push chain the silent one could be any of
+    the route's stages, so `peer` (the first) is a guess, not a culprit."""
 
 
 class OutOfStep(StageFailed):
@@ -190,22 +196,33 @@ class RemotePipeline:
         self._caches[session] = CacheState(0, 0)
         return session
 
-    def close_session(self, session: str, stages: Route | None = None) -> None:
+    def close_session(self, session: str, stages: Route | None = None, failed: str | None = None) -> None:
+        """Close `session` on `stages` (all of the route's by default). After a failure (`failed`: the stage
+        that failed) the others are told in the background, briefly, and the failed one not at all: a dead
+        stage would hold the caller up for the whole request timeout."""
         for key in [k for k in list(self._sent) if k[0] == session]:  # steps never awaited (a failure)
             self._sent.pop(key, None)
         self._caches.pop(session, None)
-        for stage in self.route if stages is None else stages:
-            try:
-                self._request(stage, Close(session=session))
-            except StageFailed as e:
-                log.debug("close: %s", e)
+        targets = [s for s in (self.route if stages is None else stages) if s.node != failed]
+
+        def close(timeout: float) -> None:
+            for stage in targets:
+                try:
+                    self._request(stage, Close(session=session), timeout)
+                except StageFailed as e:
+                    log.debug("close: %s", e)
+
+        if failed is None:
+            close(self.step_timeout_s)
+        else:
+            threading.Thread(target=close, args=(CLOSE_AFTER_FAILURE_S,), name="close", daemon=True).start()
         if self.auditor is not None and stages is None:
             self.auditor.ended(session)  # its audits are drawn now, once per stage
 
-    def _request(self, stage: Stage, msg: Message) -> Message:
+    def _request(self, stage: Stage, msg: Message, timeout: float | None = None) -> Message:
         try:
             reply: Message = self.node.request(stage.node, ids.SESSION, msg, _session_replies,
-                                               timeout=self.step_timeout_s)
+                                               timeout=timeout or self.step_timeout_s)
             return reply
         except RemoteError as e:
             raise (StageBusy if e.busy else StageFailed)(stage.node, str(e)) from None
@@ -297,7 +314,7 @@ class RemotePipeline:
             if lost:
                 peer, why = next(iter(lost.items()))
                 raise StageFailed(peer, why)
-            raise StageFailed(stage.node, f"no result for step {step} within {self.step_timeout_s} s")
+            raise StepTimedOut(stage.node, f"no result for step {step} within {self.step_timeout_s} s")
         sender, reply, arrived = got
         last = self.route[-1] if self.mode == "push" else stage
         if isinstance(reply, StepError):

@@ -7,6 +7,7 @@ committed tokens are prefilled again: nothing is lost and greedy output stays id
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -20,7 +21,16 @@ from beeswarm import codec
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.auditor import AuditCounts, Auditor
 from beeswarm.client.receipts import ReceiptBook
-from beeswarm.client.remote import Inbox, OutOfStep, RemotePipeline, Route, SessionSteps, StageBusy, StageFailed
+from beeswarm.client.remote import (
+    Inbox,
+    OutOfStep,
+    RemotePipeline,
+    Route,
+    SessionSteps,
+    StageBusy,
+    StageFailed,
+    StepTimedOut,
+)
 from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.generation.generate import EndGeneration, Generation, generate
 from beeswarm.generation.sampling import Noise, SamplingParams, new_noise
@@ -39,7 +49,9 @@ from beeswarm.spec.speculate import SpecReport, speculative_generate
 from beeswarm.spec.tuner import MAX_IN_FLIGHT, MAX_TREE_NODES, Tuner
 
 log = logging.getLogger(__name__)
-MAX_RECOVERIES = 5
+MAX_RECOVERIES = 5  # failures in a row without a new token before a generation gives up
+ROUTE_STILL_BEATS = 6  # a route wait gives up once the swarm has been still this many heartbeat intervals
+ROUTE_MAX_S = 600.0  # ... or after this long, however it moves
 LOOKAHEAD_STEPS = 4  # steps' worth of KV a speculating session reserves past its tokens
 BUSY_BACKOFF_S = (0.1, 2.0)  # first wait and cap while every route's stages are full
 UNVERIFIED_S = 600.0  # a stage on probation that nobody could check is routed around this long (or till it passes)
@@ -101,6 +113,7 @@ class Progress:
     wire: int = 0  # bytes on every route it took
     raw: int = 0
     recoveries: int = 0
+    stalls: int = 0  # failures since the last new token (a generation gives up after MAX_RECOVERIES of them)
     t0: float = field(default_factory=time.perf_counter)
     ttft: float | None = None
     held: bool = False  # a route so far had a stage on probation: its tokens are final once its audits settle
@@ -123,6 +136,7 @@ class Progress:
         if self.ttft is None:
             self.ttft = self.last - self.t0
         self.tokens.append(token)
+        self.stalls = 0
         if self.request.on_token:
             self.request.on_token(token)
         if not self.held:
@@ -231,6 +245,7 @@ class SwarmClient:
         self.inbox = Inbox(node)
         self._draft_busy = threading.Lock()  # one draft, one generation at a time: others run plainly
         self._pipes: dict[Route, RemotePipeline] = {}
+        self._using: collections.Counter[Route] = collections.Counter()  # generations on each pipeline now
         self._retired = (0, 0)  # (wire, raw) bytes of pipelines closed since
         self._lock = threading.Lock()
         self._audit_runtimes: dict[tuple[Span, str], SpanRuntime] = {}
@@ -383,24 +398,41 @@ class SwarmClient:
         self.receipts.drain()
         self.node.stop()
 
-    def route(self, timeout: float = 60.0) -> Pipeline:
-        """A loaded, unbanned route covering every layer, from the plan's active pipelines. Waits up to
-        `timeout` for one, but fails at once when no bootstrap address can be dialled (naming each)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def route(self, timeout: float = 0.0) -> Pipeline:
+        """A loaded, unbanned route covering every layer, from the plan's active pipelines. Waits for one at least
+        `timeout` s, and past that for as long as the swarm moves towards one (ROUTE_MAX_S at most): the lease,
+        the plan, the members or their spans changed, or a member is loading layers, within the last
+        ROUTE_STILL_BEATS heartbeat intervals (a stage that dies is noticed, planned around and its layers loaded
+        elsewhere in that; a coordinator that dies is succeeded). Fails at once when no bootstrap address can be
+        dialled."""
+        start = last_move = time.monotonic()
+        still_s, seen = ROUTE_STILL_BEATS * self.members.interval, self._motion()
+        while True:
             found = self.find_route()
             if found is not None:
                 return found
             why = self.node.unreachable()
             if why is not None:
                 raise NoRoute(f"cannot reach the swarm: {why}")
+            now, motion = time.monotonic(), self._motion()
+            if motion != seen or any(info.state == "loading" for info in self.members.view().values()):
+                seen, last_move = motion, now
+            if now - start >= max(timeout, min(ROUTE_MAX_S, last_move - start + still_s)):
+                break
             time.sleep(0.1)
         with self._lock:
             unverified = sorted(self.unverified)
         why = f"; routes avoid {', '.join(unverified)}: on probation, and no member could check its layers " \
             "(its tokens are not shown unchecked)" if unverified else ""
-        raise NoRoute(f"no complete route through the swarm within {timeout:.0f} s "
+        raise NoRoute(f"no complete route through the swarm after {time.monotonic() - start:.0f} s, the last "
+                      f"{min(still_s, time.monotonic() - last_move):.0f} s of them with no change in the swarm "
                       f"(members: {len(self.members.view())}, plan epoch {self.coordinator.state.epoch}){why}")
+
+    def _motion(self) -> tuple:
+        """What changes while a swarm recovers: the lease, the plan, who is a member and what each serves."""
+        lease = self.coordinator.lease
+        return (lease.term if lease else None, lease.leader if lease else None, self.coordinator.state.epoch,
+                frozenset((p, i.state, i.layers, i.spans) for p, i in self.members.view().items()))
 
     def find_route(self) -> Pipeline | None:
         """A usable route now, or None (`route` waits for one)."""
@@ -414,8 +446,9 @@ class SwarmClient:
         the options now say) are closed."""
         o = self.options
         live = {p.stages for p in self.coordinator.state.active} | {route}
-        with self._lock:
-            stale = [r for r, p in self._pipes.items() if r not in live or p.mode != o.mode]
+        with self._lock:  # (a pipeline another generation is on stays: closing it would fail its steps)
+            stale = [r for r, p in self._pipes.items()
+                     if (r not in live or p.mode != o.mode) and not self._using[r]]
             retired = [self._pipes.pop(r) for r in stale]
             self._retired = (self._retired[0] + sum(p.wire_bytes for p in retired),
                              self._retired[1] + sum(p.raw_bytes for p in retired))
@@ -439,8 +472,9 @@ class SwarmClient:
                  route_timeout: float = 60.0, on_rewind: Callable[[int], None] | None = None,
                  on_settled: Callable[[int], None] | None = None) -> SwarmGeneration:
         """Generate through the swarm, re-routing on failures. Speculates when a draft is set and free
-        (one generation at a time uses the draft; concurrent ones decode a token per pass). A stage with no
-        room for the session (StageBusy) is waited for, up to `route_timeout`, not banned. `on_token` may
+        (one generation at a time uses the draft; concurrent ones decode a token per pass). A route is waited for
+        at least `route_timeout`, and longer while the swarm moves towards one (`route`). A stage with no room
+        for the session (StageBusy) is waited for, up to `route_timeout` after the last progress, not banned. `on_token` may
         raise EndGeneration to end it there; any other exception ends it too (its sessions closed) and
         propagates.
 
@@ -479,9 +513,17 @@ class SwarmClient:
             pipeline = self.route(progress.request.route_timeout)
             progress.take(pipeline.stages)
             progress.held |= any(self._on_probation(s.node) for s in pipeline.stages)
-            pipe = self._pipeline(pipeline.stages)
-            wire0, raw0 = pipe.wire_bytes, pipe.raw_bytes
-            outcome = self._attempt(progress, pipe, pipeline.micro_batches)
+            with self._lock:
+                self._using[pipeline.stages] += 1
+            try:
+                pipe = self._pipeline(pipeline.stages)
+                wire0, raw0, tokens0 = pipe.wire_bytes, pipe.raw_bytes, len(progress.tokens)
+                outcome = self._attempt(progress, pipe, pipeline.micro_batches)
+            finally:
+                with self._lock:
+                    self._using[pipeline.stages] -= 1
+            if len(progress.tokens) > tokens0:
+                busy = Backoff(progress.request.route_timeout)  # a full swarm is waited for anew after progress
             match outcome:
                 case Busy(error):
                     busy.wait(error)
@@ -494,7 +536,8 @@ class SwarmClient:
             if isinstance(outcome, Caught):
                 progress.rewind(outcome.keep, outcome.stages)
                 progress.recoveries += 1
-                if progress.recoveries > MAX_RECOVERIES:  # given up as that stage's failure (logged, struck)
+                progress.stalls += 1
+                if progress.stalls > MAX_RECOVERIES:  # given up as that stage's failure (logged, struck)
                     self._fail_over(progress, StageFailed(next(iter(outcome.stages)),
                                                           "caught by an audit, and no honest route left"))
             if isinstance(outcome, Done) or isinstance(outcome, Caught) and progress.finished():
@@ -510,17 +553,19 @@ class SwarmClient:
             session = pipe.open(max_length)
             progress.sessions.append(session)
             self.receipts.begin(session, len(progress.request.prompt_ids) + len(progress.tokens))
+            failed = None
             try:
                 self._decode(progress, pipe, session, self.options.micro_batches or micro_batches, in_flight,
                              max_length)
             except EndGeneration:
                 pass  # the caller has what it wants: a normal end
             except StageFailed as e:
+                failed = e.peer
                 if self.auditor:  # (before closing draws the session's audits) a crash is no refusal to reveal
                     self.auditor.gone(session, e.peer)
                 raise
             finally:
-                pipe.close_session(session)
+                pipe.close_session(session, failed=failed)
         except StageBusy as e:  # a full stage is not a broken one
             return Busy(e)
         except StageFailed as e:
@@ -560,11 +605,27 @@ class SwarmClient:
         """A stage failed: the tokens it computed are taken back if an audit caught it, it is banned, and the
         next attempt prefills the committed tokens on another route; past MAX_RECOVERIES, `e` is raised."""
         progress.recoveries += 1
+        progress.stalls += 1
         if e.peer in self.caught:
             progress.rewind(progress.trusted({e.peer}), {e.peer})
         log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",
                     e, len(progress.request.prompt_ids) + len(progress.tokens))
-        if not isinstance(e, OutOfStep):  # a cache out of step is no stage's fault that the entry can tell
-            self.node.bans.strike(e.peer, str(e), severe=True)
-        if progress.recoveries > MAX_RECOVERIES:
+        culprit = self._culprit(e)
+        if culprit is not None:
+            self.node.bans.strike(culprit, str(e), severe=True)
+        if progress.stalls > MAX_RECOVERIES:
             raise e
+
+    def _culprit(self, e: StageFailed) -> str | None:
+        """The stage to ban for `e`: the one it names, except where the entry cannot tell who failed. A cache out
+        of step is nobody's fault it can prove; a step that timed out in a push chain was held up by one of the
+        route's stages: the one gone from the swarm's view if there is one, else nobody (an innocent first stage
+        banned would wait out its ban like a dead one)."""
+        if isinstance(e, OutOfStep):
+            return None
+        if isinstance(e, StepTimedOut) and self.options.mode == "push":
+            with self._lock:
+                route = next((p.route for p in self._pipes.values() if any(s.node == e.peer for s in p.route)), ())
+            view = self.members.view()
+            return next((s.node for s in route if s.node not in view), None)
+        return e.peer

@@ -140,17 +140,18 @@ def next_assignment(cluster: Cluster, new: tuple[Pipeline, ...], new_tokens_per_
 
     The current target is kept unless the new plan is better by `threshold`. A changed target starts
     as a migration: clients keep the active pipelines until every target node announces its new span
-    loaded and serving (make-before-break), unless the active pipelines no longer work at all.
+    loaded and serving (make-before-break); of those, the ones that still work (a replica whose nodes all
+    survived a loss), or the target when none does.
     """
     current = state.target or state.active
     kept = pipelines_tokens_per_s(cluster, current) if current else None
     target = current if kept is not None and new_tokens_per_s <= kept * (1 + threshold) else new
     loaded = all(view.get(node) is not None and view[node].layers == span and view[node].state == "serving"
                  for node, span in assignments(target).items())
-    active = state.active
-    if loaded or pipelines_tokens_per_s(cluster, active) is None:
-        active = target
-    return active, target
+    if loaded:
+        return target, target
+    working = tuple(p for p in state.active if pipelines_tokens_per_s(cluster, (p,)) is not None)
+    return working or target, target
 
 
 class Coordinator:
