@@ -474,9 +474,9 @@ class SwarmClient:
         """Generate through the swarm, re-routing on failures. Speculates when a draft is set and free
         (one generation at a time uses the draft; concurrent ones decode a token per pass). A route is waited for
         at least `route_timeout`, and longer while the swarm moves towards one (`route`). A stage with no room
-        for the session (StageBusy) is waited for, up to `route_timeout` after the last progress, not banned. `on_token` may
-        raise EndGeneration to end it there; any other exception ends it too (its sessions closed) and
-        propagates.
+        for the session (StageBusy) is waited for, up to `route_timeout` after the last progress, not banned.
+        `on_token` may raise EndGeneration to end it there; any other exception ends it too (its sessions closed)
+        and propagates.
 
         Before it returns, the generation waits for its audits. A stage caught by one computed some of the
         tokens: they are taken back (`on_rewind(n)`: only the first n tokens stand) and generated again on a
