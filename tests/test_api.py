@@ -291,3 +291,40 @@ def test_stop_strings_are_cut_and_never_streamed_in_part():
     assert [stops.push(p) for p in ["aE", "ND", "more"]] == ["a", "", ""] and stops.hit
     stops = StopText(["END"])
     assert stops.push("xEN") == "x" and stops.flush() == "EN"  # no stop came: the held tail was text
+
+
+@pytest.mark.slow
+def test_serve_takes_the_swarms_model_and_refuses_another(tiny_models, tmp_path):
+    """`serve --join` a multiaddr without --model takes the model the swarm's plan names (its completions work, in
+    that model's tokens); given another model it refuses at start, naming both, instead of a 500 on every request."""
+    import sys
+
+    model, other = str(tiny_models["qwen2"]), str(tiny_models["llama"])
+    env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("BEESWARM_IDENTITY", None)
+    procs: list = []
+    try:
+        _, boot = start_contributors(procs, model, 1, budgets(model, 1)[0], env, tmp_path)
+        refused = subprocess.run([sys.executable, "-m", "beeswarm", "serve", "--join", boot, "--model", other,
+                                  "--port", "0", "--heartbeat", "1"], capture_output=True, text=True, timeout=180,
+                                 env=env)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert f"this swarm serves {model}" in refused.stderr and f"--model {other} is another model" in \
+            refused.stderr
+        with open(tmp_path / "serve.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "serve", "--join", boot, "--port", "0",
+                                     "--json", "--heartbeat", "1"], stdout=subprocess.PIPE, stderr=log, text=True,
+                                    env=env)
+            procs.append(proc)
+            from helpers import lines_of, read_until
+            line, _ = read_until(lines_of(proc), '{"event": "serving"', 180)
+        url = __import__("json").loads(line)["url"]
+        reply = httpx.post(url + "/completions", timeout=120, json={"model": model, "prompt": "def f(x):",
+                                                                  "max_tokens": 6, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        expected = reference_greedy(model, tokenizer.encode("def f(x):"), 6)
+        assert reply.json()["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    finally:
+        for p in procs:
+            p.kill()

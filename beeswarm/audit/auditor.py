@@ -19,6 +19,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -54,7 +55,8 @@ MAX_KNOWN = 4096  # stages whose passed audits this entry counts
 VOUCH_DRAIN_S = 3.0
 SETTLE_S = 30.0  # the longest a generation waits for its audits; later verdicts still ban and report
 PEER_AUDIT_S = 120.0  # a peer auditor's answer (it fetches the reveal and recomputes)
-PEER_TRIES = 3  # auditors asked before an audit is given up as unchecked
+PEER_TRIES = 3  # auditors asked in a round
+AGAIN_S = (1.0, 3.0)  # pauses before the rounds after the first, before an audit is given up as unchecked
 WORKERS = 4  # audits run at once
 SECOND_OPINION = 0.1  # of peer auditors' passes checked again (every one while the stage is on probation)
 
@@ -251,6 +253,11 @@ class Auditor:
         tiers = [[p for p in tier if p not in (job.stage, self.node.peer_id) and not self.node.bans.is_banned(p)]
                  for tier in self.auditors(commits[0].span, job.stage)]
         first = self._peer_audit(ask, tiers)
+        for pause in AGAIN_S:  # busy, or gone (a stage killed meanwhile is still drawn until it leaves the view)
+            if first is not None:
+                break
+            time.sleep(pause)
+            first = self._peer_audit(ask, tiers)
         if first is None:
             self._unchecked(job, f"no auditor could check layers {commits[0].span}")
             return

@@ -50,7 +50,8 @@ from beeswarm.spec.tuner import MAX_IN_FLIGHT, MAX_TREE_NODES, Tuner
 
 log = logging.getLogger(__name__)
 MAX_RECOVERIES = 5  # failures in a row without a new token before a generation gives up
-ROUTE_STILL_BEATS = 6  # a route wait gives up once the swarm has been still this many heartbeat intervals
+ROUTE_STILL_BEATS = 6  # a route wait gives up once the swarm has been still this many heartbeat intervals,
+ROUTE_STILL_S = 15.0  # and this many seconds at least (a loaded machine re-plans and loads slower)
 ROUTE_MAX_S = 600.0  # ... or after this long, however it moves
 LOOKAHEAD_STEPS = 4  # steps' worth of KV a speculating session reserves past its tokens
 BUSY_BACKOFF_S = (0.1, 2.0)  # first wait and cap while every route's stages are full
@@ -402,11 +403,11 @@ class SwarmClient:
         """A loaded, unbanned route covering every layer, from the plan's active pipelines. Waits for one at least
         `timeout` s, and past that for as long as the swarm moves towards one (ROUTE_MAX_S at most): the lease,
         the plan, the members or their spans changed, or a member is loading layers, within the last
-        ROUTE_STILL_BEATS heartbeat intervals (a stage that dies is noticed, planned around and its layers loaded
-        elsewhere in that; a coordinator that dies is succeeded). Fails at once when no bootstrap address can be
-        dialled."""
+        ROUTE_STILL_BEATS heartbeat intervals (ROUTE_STILL_S at least: a stage that dies is noticed, planned
+        around and its layers loaded elsewhere in that; a coordinator that dies is succeeded). Fails at once when
+        no bootstrap address can be dialled."""
         start = last_move = time.monotonic()
-        still_s, seen = ROUTE_STILL_BEATS * self.members.interval, self._motion()
+        still_s, seen = max(ROUTE_STILL_S, ROUTE_STILL_BEATS * self.members.interval), self._motion()
         while True:
             found = self.find_route()
             if found is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from beeswarm.commands import options
 from beeswarm.commands.common import UserError, interactive, required_join, swarm_secret
-from beeswarm.commands.entry import chat_common, encode_prompt, speculation, start_client
+from beeswarm.commands.entry import chat_common, check_model, encode_prompt, speculation, start_client, swarm_model
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -37,13 +37,15 @@ def run(args) -> int:
     if args.prompt is None and not interactive():
         raise UserError("give --prompt TEXT (the chat app needs a terminal)")
     bootstrap, descriptor = required_join(args.join, "the swarm to generate through")
+    secret = swarm_secret(args.swarm_secret_env)
     if args.model is None:
-        args.model = descriptor.model if descriptor else "tinycode"
+        args.model = descriptor.model if descriptor else swarm_model(args, bootstrap, secret)
     params, entry = chat_common(args)
     draft, tuner = speculation(args, entry)
-    client = start_client(args, entry, bootstrap, draft, tuner, secret=swarm_secret(args.swarm_secret_env),
+    client = start_client(args, entry, bootstrap, draft, tuner, secret=secret,
                           mode="hops" if args.client_hops else "push", micro_batches=args.micro_batches)
     try:
+        check_model(client, entry, args.model)
         if args.prompt is None:
             return chat_app(client, entry, args, params)
         return run_chat(client, entry, args, params)

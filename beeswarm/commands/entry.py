@@ -80,3 +80,60 @@ def start_client(args, entry, bootstrap: list[str], draft, tuner, *, secret: byt
                               announce=args.announce, relays=args.relay,
                               options=ClientOptions(audit_rate=args.audit_rate, audit_here=args.audit_here, **options),
                               draft=draft, tuner=tuner, payer=payer).start()
+
+
+PLAN_WAIT_S = 60.0  # how long an entry waits for the swarm's plan to learn (or check) its model
+
+
+def _plan(follower, node, timeout: float):
+    """The first signed plan `follower` follows, within `timeout` (None: none came, or the swarm cannot be reached:
+    `node.unreachable()` says why)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not follower.state.coordinator:
+        if node.unreachable() is not None or time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    return follower.state
+
+
+def swarm_model(args, bootstrap: list[str], secret: bytes | None) -> str:
+    """The model the swarm serves, as its coordinator's plan names it (joined as an observer, then left): what an
+    entry given no --model takes."""
+    from pathlib import Path
+
+    from beeswarm.client.status import SwarmObserver
+    from beeswarm.shard import checkpoint
+
+    observer = SwarmObserver.create(bootstrap, secret, args.heartbeat, listen=args.listen or None,
+                                    relays=args.relay).start()
+    try:
+        plan = _plan(observer.coordinator, observer.node, PLAN_WAIT_S)
+        unreachable = observer.node.unreachable()
+    finally:
+        observer.close()
+    if unreachable is not None:
+        raise UserError(f"cannot reach the swarm to learn its model: {unreachable}")
+    if plan is None or not plan.model:
+        raise UserError(f"the swarm named no model within {PLAN_WAIT_S:.0f} s (no coordinator yet, or an older "
+                        "version): pass --model")
+    hub_or_builtin = plan.model in checkpoint.BUILTIN or not Path(plan.model).expanduser().is_absolute()
+    if not hub_or_builtin and not Path(plan.model).expanduser().is_dir():
+        raise UserError(f"the swarm serves the model in {plan.model} on its coordinator's machine, not here: pass "
+                        "--model with your copy of it")
+    return plan.model
+
+
+def check_model(client, entry, model: str) -> None:
+    """Refuse to serve a swarm of another model than `model`: the swarm's plan names its model's fingerprint, and
+    an entry holding another would get only errors from every route (or, worse, another model's text). A swarm
+    that cannot be reached, or names no plan in time, is not refused here: its routes will say what is wrong."""
+    from beeswarm.shard import checkpoint
+
+    plan = _plan(client.coordinator, client.node, PLAN_WAIT_S)
+    mine = checkpoint.fingerprint(entry.folder)
+    if plan is not None and plan.fingerprint and plan.fingerprint != mine:
+        raise UserError(f"this swarm serves {plan.model} (config fingerprint {plan.fingerprint}); --model {model} is "
+                        f"another model ({mine}): pass --model {plan.model}, or leave --model out to take the "
+                        "swarm's")

@@ -7,7 +7,7 @@ import os
 
 from beeswarm.commands import options
 from beeswarm.commands.common import UserError, required_join, swarm_secret
-from beeswarm.commands.entry import speculation, start_client
+from beeswarm.commands.entry import check_model, speculation, start_client, swarm_model
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -33,12 +33,14 @@ def run(args) -> int:
 
     key = api_key(args.api_key_env)
     bootstrap, descriptor = required_join(args.join, "the swarm to serve")
+    secret = swarm_secret(args.swarm_secret_env)
     if args.model is None:
-        args.model = descriptor.model if descriptor else "tinycode"
+        args.model = descriptor.model if descriptor else swarm_model(args, bootstrap, secret)
     entry = EntryModel.load(args.model, args.dtype, args.device)
     draft, tuner = speculation(args, entry)
-    client = start_client(args, entry, bootstrap, draft, tuner, secret=swarm_secret(args.swarm_secret_env))
+    client = start_client(args, entry, bootstrap, draft, tuner, secret=secret)
     try:
+        check_model(client, entry, args.model)
         return serve_api(client, entry, args, key)
     finally:
         client.close()

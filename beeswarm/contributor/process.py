@@ -89,10 +89,12 @@ def model_shape(model: str, device: str = "auto", dtype: str = "auto", quant: Qu
     from beeswarm.shard.families import kv_bytes_per_token_layer
     from beeswarm.shard.loader import load_config
 
-    config = load_config(checkpoint.resolve_config(model))
+    folder = checkpoint.resolve_config(model)
+    config = load_config(folder)
     dt = resolve_dtype(dtype, resolve_device(device))
     return ModelShape(config.num_hidden_layers, config.hidden_size, benchmark.layer_bytes(config, dt, quant),
-                      kv_bytes_per_token_layer(config, dt), act_bytes=2, quant=quant)
+                      kv_bytes_per_token_layer(config, dt), act_bytes=2, quant=quant, ref=model,
+                      fingerprint=checkpoint.fingerprint(folder))
 
 
 class Contributor:

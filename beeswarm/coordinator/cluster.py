@@ -25,6 +25,8 @@ class ModelShape:
     kv_bytes_per_token_layer: int
     act_bytes: int = 2
     quant: Quant = "none"  # the weights' format `layer_bytes` counts; nodes serving another are not planned
+    ref: str = ""  # the model as named where it is served (a built-in name, hub id or folder), for entries
+    fingerprint: str = ""  # of its config (`checkpoint.fingerprint`): an entry with another model is refused
 
 
 @dataclass(frozen=True)

@@ -363,8 +363,9 @@ class Coordinator:
             log.info("lost the lease while planning: the plan is not published")
             return
         state = PlanState(term=lease.term, epoch=lease.epoch, coordinator=self.node.peer_id,
-                          objective=result.objective, quant=self.model.quant, active=active, target=target,
-                          excluded=excluded, standings=standings)
+                          objective=result.objective, quant=self.model.quant, model=self.model.ref,
+                          fingerprint=self.model.fingerprint, active=active, target=target, excluded=excluded,
+                          standings=standings)
         self._signed = plans.sign(self.node.identity.key_pair, state)
         self._republish_at = self.clock() + REPUBLISH_BEATS * self.interval
         await self._publish(self._signed)

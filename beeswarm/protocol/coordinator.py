@@ -65,6 +65,8 @@ class PlanState(msgspec.Struct, frozen=True, kw_only=True):
     coordinator: PeerId = ""
     objective: str = "latency"
     quant: Short = "none"  # the Quant every stage of the plan serves (audits replay in it too); str on the wire
+    model: Annotated[str, msgspec.Meta(max_length=512)] = ""  # the model served, as its coordinator names it
+    fingerprint: Short = ""  # of the model's config: an entry holding another model refuses to start
     active: Pipelines = ()
     target: Pipelines = ()
     excluded: Annotated[tuple[Exclusion, ...], msgspec.Meta(max_length=MAX_STAGES)] = ()

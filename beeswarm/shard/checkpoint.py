@@ -1,6 +1,7 @@
 """Find a checkpoint (built-in name, local folder or hub id) and read only the tensors a span needs."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -102,6 +103,23 @@ def resolve(ref: str, parts: Parts | None = None, revision: str | None = None,
     if not _looks_like_hub_id(ref):
         raise ShardError(f"model {ref!r}: not a built-in name ({', '.join(BUILTIN)}), a folder, or a hub id org/name")
     return _download(ref, parts or Parts(0, 10**9, True, True), revision, on_bytes)
+
+
+# config fields that say how a copy was saved, not which model it is
+_NOT_THE_MODEL = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"}
+
+
+def fingerprint(folder: Path) -> str:
+    """Which model a checkpoint folder holds, from its config (16 hex digits): equal for every copy of a model
+    however it is named or saved, different for another architecture, size or vocabulary."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ShardError(f"cannot read {folder}/config.json: {e}") from None
+    if not isinstance(config, dict):
+        raise ShardError(f"{folder}/config.json is not a JSON object")
+    kept = {k: v for k, v in config.items() if k not in _NOT_THE_MODEL}
+    return hashlib.blake2b(json.dumps(kept, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 def resolve_config(ref: str, revision: str | None = None) -> Path:
