@@ -92,7 +92,8 @@ class Auditor:
                  vouch: Callable[[str, Commit], None] | None = None,
                  auditors: Callable[[Span, str], list[list[str]]] = lambda span, stage: [],
                  second_opinion: float = SECOND_OPINION,
-                 on_unverified: Callable[[str, str], None] = lambda peer, why: None):
+                 on_unverified: Callable[[str, str], None] = lambda peer, why: None,
+                 last_resort: Callable[[Span], SpanRuntime] | None = None):
         """`runtime_for(span)`: the span's layers to recompute with here (loaded on first use), or None: peer
         auditors recompute; `on_caught(peer, why)`: a stage failed an audit or refused one; `coordinator()`: whom
         to send evidence to; `report`: what is done with signed evidence (by default, it goes to the coordinator),
@@ -102,13 +103,15 @@ class Auditor:
         `auditors(span, stage)`: the peers that may audit `stage` on `span`, in tiers (an auditor is drawn at
         random from the first tier that answers); `second_opinion`: the chance a peer auditor's pass is checked
         by another one, always for a stage on probation; `on_unverified(peer, why)`: a stage on probation that nobody
-        could check (its tokens do not stand: route around it while it is on probation; no ban, no evidence)."""
+        could check (its tokens do not stand: route around it while it is on probation; no ban, no evidence);
+        `last_resort(span)`: the layers to recompute with here when no peer auditor could (MemoryError or
+        ShardError when they do not fit: then the audit is unchecked)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"the audit rate is a probability, got {rate}")
         self.node, self.runtime_for, self.rate = node, runtime_for, rate
         self.auditors, self.second_opinion = auditors, second_opinion
         self.on_caught, self.on_cleared, self.coordinator = on_caught, on_cleared, coordinator
-        self.on_unverified = on_unverified
+        self.on_unverified, self.last_resort = on_unverified, last_resort
         self._report = report or self._send_to_coordinator
         self.standing, self._vouch = standing, vouch or self._vouch_to_coordinator
         self.passed: dict[str, int] = {}  # stage -> audits it passed here
@@ -247,7 +250,7 @@ class Auditor:
             return  # caught already
         self._count("run")
         if self.runtime_for is not None:
-            self._recompute_here(job, commits, unobserved)
+            self._recompute_here(job, commits, unobserved, self.runtime_for)
             return
         ask = self._ask(job, commits, unobserved)
         tiers = [[p for p in tier if p not in (job.stage, self.node.peer_id) and not self.node.bans.is_banned(p)]
@@ -258,6 +261,9 @@ class Auditor:
                 break
             time.sleep(pause)
             first = self._peer_audit(ask, tiers)
+        if first is None and self.last_resort is not None:  # a swarm of one, or of spans too big for the others
+            self._recompute_here(job, commits, unobserved, self.last_resort)
+            return
         if first is None:
             self._unchecked(job, f"no auditor could check layers {commits[0].span}")
             return
@@ -305,13 +311,13 @@ class Auditor:
                     log.info("auditor %s could not audit: %s", auditor, e)
         return None
 
-    def _recompute_here(self, job: _Job, commits: list[Commit], unobserved: frozenset[int]) -> None:
-        assert self.runtime_for is not None
+    def _recompute_here(self, job: _Job, commits: list[Commit], unobserved: frozenset[int],
+                        runtime_for: Callable[[Span], SpanRuntime]) -> None:
         try:
             revealed = self.node.request(job.stage, ids.AUDIT, Reveal(session=job.session, step=job.step),
                                          self._replies, timeout=REVEAL_TIMEOUT_S)
             with self._recomputing, torch.inference_mode():  # one replay at a time on this machine's spans
-                finding = examine(self.node.peer_id, commits, revealed, self.runtime_for,
+                finding = examine(self.node.peer_id, commits, revealed, runtime_for,
                                   self.node.config.max_tensor_bytes, complete=True, unobserved=unobserved)
         except CannotRecompute as e:
             self._unchecked(job, f"this entry cannot check it: {e}")

@@ -42,6 +42,7 @@ from beeswarm.protocol.coordinator import Pipeline
 from beeswarm.protocol.credits import swarm_id
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
+from beeswarm.shard import benchmark
 from beeswarm.shard.entry import EntryModel
 from beeswarm.shard.span import SpanRuntime
 from beeswarm.spec.draft import DraftModel
@@ -253,7 +254,8 @@ class SwarmClient:
         self._audit_lock = threading.Lock()
         self.auditor = Auditor(node, self._audit_runtime if self.options.audit_here else None, self.options.audit_rate,
                                self._caught, coordinator.leader, standing=self._standing, auditors=self._auditors,
-                               on_cleared=self._cleared, on_unverified=self._unverified) \
+                               on_cleared=self._cleared, on_unverified=self._unverified,
+                               last_resort=self._audit_runtime) \
             if self.options.audit_rate > 0 else None
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
         self.unverified: dict[str, float] = {}  # stages on probation nobody could check -> when (monotonic)
@@ -265,10 +267,15 @@ class SwarmClient:
 
     def _audit_runtime(self, span: Span) -> SpanRuntime:
         """The layers of `span`, loaded once, to recompute audited steps with (the entry's dtype and device, the
-        weights' format of the plan: the swarm's)."""
+        weights' format of the plan: the swarm's): always with `--audit-here`, else when no peer auditor could and
+        they fit in half the memory free here."""
         weights = self.coordinator.state.quant
         with self._audit_lock:
             if (span, weights) not in self._audit_runtimes:
+                need = benchmark.layer_bytes(self.entry.config, self.entry.dtype, weights) * len(span)
+                free = benchmark.free_bytes(self.entry.device)
+                if need > free // 2:  # the user's own work comes first
+                    raise MemoryError(f"layers {span} need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free")
                 log.info("loading layers %s (%s weights) to audit with", span, weights)
                 self._audit_runtimes[span, weights] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype,
                                                                       self.entry.device, quant=weights)
