@@ -95,7 +95,8 @@ def test_chat_app_opens_in_a_terminal_and_quits(env):
     from beeswarm.p2p import identity
 
     nowhere = f"/ip4/127.0.0.1/tcp/9/p2p/{identity.ephemeral().peer_id}"  # the app opens before any route
-    code, _ = in_terminal([str(BUNDLE), "chat", "--join", nowhere, "--no-spec"], env, b"Say something", b"\x11")
+    code, _ = in_terminal([str(BUNDLE), "chat", "--join", nowhere, "--model", "tinycode", "--no-spec"], env,
+                          b"Say something", b"\x11")  # (--model: without it chat asks the swarm for its model)
     assert code == 0  # Ctrl-Q
 
 

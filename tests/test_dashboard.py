@@ -244,25 +244,25 @@ def test_a_terminal_that_stops_reading_never_freezes_the_node(tiny_llama, cli_en
     re-plans, and the node logs under its locks). The node keeps beating and serving: the swarm never drops it.
     Then the terminal reads again, and `q` leaves as ever."""
     import fcntl
-    import json
     import pty
     import select
     import struct
     import termios
 
+    from beeswarm.client.status import SwarmObserver
+
     budget = budgets(str(tiny_llama), 2)[0]
     procs: list = []
-    pid = fd = None
+    pid = fd = observer = None
 
-    def members(boot: str) -> dict[str, float]:
-        out = subprocess.run([sys.executable, "-m", "beeswarm", "status", "--join", boot, "--json", "--heartbeat",
-                              "1"], capture_output=True, text=True, timeout=60, env=cli_env)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return {m["peer"]: m["heartbeat_age_s"] for m in json.loads(out.stdout)["members"] if m["role"] != "client"}
+    def members(serving: bool = False) -> dict[str, float]:  # contributors the swarm sees: peer -> heartbeat age
+        return {m.peer: m.heartbeat_age_s for m in observer.report().members
+                if m.role == "contributor" and (m.spans or not serving)}
 
-    def read(seconds: float) -> bytes:
+    def read(seconds: float, until: bytes | None = None) -> bytes:
+        """What the terminal shows in `seconds`, or until `until` is shown."""
         seen, deadline = b"", time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (until is None or until not in seen):
             if select.select([fd], [], [], 0.2)[0]:
                 try:
                     seen += os.read(fd, 65536)
@@ -283,16 +283,19 @@ def test_a_terminal_that_stops_reading_never_freezes_the_node(tiny_llama, cli_en
                                           "BEESWARM_CONFIG_DIR": str(tmp_path / "d")})
             finally:
                 os._exit(127)
-        assert b"Re-benchmark" in read(60)
-        dashboard = wait_for(lambda: next(iter(set(members(boot)) - set(peers)), None), 60,
-                             "the dashboard node to join")
-        # the terminal stops reading; a newcomer joins: a re-plan, and log lines on the dashboard's node
+        assert b"Re-benchmark" in read(60, b"Re-benchmark")
+        observer = SwarmObserver.create([boot], interval=1.0, listen=LOCAL).start()  # a swarm-wide view
+        # the terminal reads on until the dashboard's node serves layers
+        dashboard = wait_for(lambda: read(0.5) is not None and next(iter(set(members(serving=True)) - set(peers)),
+                                                                    None), 90, "the dashboard node to serve")
+        # the terminal stops reading (its buffer fills within seconds); a newcomer joins: a re-plan, and log lines
+        # on the dashboard's node
         start_contributors(procs, tiny_llama, 1, budget, cli_env, tmp_path, join=boot)
         stalled = time.monotonic() + 30
         while time.monotonic() < stalled:
-            ages = members(boot)
+            ages = members()
             assert dashboard in ages and ages[dashboard] < 3, f"the stalled dashboard's node was dropped: {ages}"
-            time.sleep(1)
+            time.sleep(0.5)
         read(2)  # the terminal reads again
         os.write(fd, b"q")
         read(30)
@@ -300,6 +303,8 @@ def test_a_terminal_that_stops_reading_never_freezes_the_node(tiny_llama, cli_en
         pid = None
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
+        if observer is not None:
+            observer.close()
         if pid is not None:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
