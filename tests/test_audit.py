@@ -158,7 +158,7 @@ def test_a_newcomer_that_lies_is_caught_in_its_first_generation_at_the_default_r
     assert auditor.sent[0].accused == stages[1].peer_id and auditor.sent[0].kind == "wrong"
 
 
-@pytest.mark.parametrize("mode", ["identity", "noise@0.3", "bias"])
+@pytest.mark.parametrize("mode", ["noise@0.3"])  # (nobody recomputes: how it lies changes nothing here)
 def test_a_newcomer_nobody_can_check_has_its_tokens_taken_back_not_shown(mesh, tiny_llama, mode):
     """A newcomer serving a span no member can load (no auditor answers, the entry loads none): its audits come back
     unchecked, and unchecked is no pass. The stage is named with the caught ones (its tokens do not stand) and

@@ -22,7 +22,7 @@ from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
 pytestmark = pytest.mark.slow  # a swarm of real nodes, 8 users at once: `make test` only
 
 USERS = 8
-TOKENS = 24
+TOKENS = 16
 
 
 class Gate(threading.Event):

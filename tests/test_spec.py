@@ -141,7 +141,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path):
 VOCAB = 5
 ROUND_SHAPE = TreeShape((2, 2))
 SAMPLES = 10_000
-PIPELINED_SAMPLES = 2_500
+PIPELINED_SAMPLES = 1_500
 
 
 CONTEXT = [1, 2]  # the tables' logits follow these tokens
