@@ -423,7 +423,7 @@ class SwarmClient:
             if why is not None:
                 raise NoRoute(f"cannot reach the swarm: {why}")
             now, motion = time.monotonic(), self._motion()
-            if motion != seen or any(info.state == "loading" for info in self.members.view().values()):
+            if motion != seen or any(state == "loading" for _, state, _, _ in motion[3]):
                 seen, last_move = motion, now
             if now - start >= max(timeout, min(ROUTE_MAX_S, last_move - start + still_s)):
                 break
@@ -618,22 +618,20 @@ class SwarmClient:
             progress.rewind(progress.trusted({e.peer}), {e.peer})
         log.warning("stage failed (%s); re-routing and prefilling %d committed tokens again",
                     e, len(progress.request.prompt_ids) + len(progress.tokens))
-        culprit = self._culprit(e)
+        culprit = self._culprit(e, progress.routes[-1])
         if culprit is not None:
             self.node.bans.strike(culprit, str(e), severe=True)
         if progress.stalls > MAX_RECOVERIES:
             raise e
 
-    def _culprit(self, e: StageFailed) -> str | None:
-        """The stage to ban for `e`: the one it names, except where the entry cannot tell who failed. A cache out
-        of step is nobody's fault it can prove; a step that timed out in a push chain was held up by one of the
-        route's stages: the one gone from the swarm's view if there is one, else nobody (an innocent first stage
-        banned would wait out its ban like a dead one)."""
+    def _culprit(self, e: StageFailed, route: Route) -> str | None:
+        """The stage of `route` to ban for `e`: the one it names, except where the entry cannot tell who failed. A
+        cache out of step is nobody's fault it can prove; a step that timed out in a push chain was held up by one
+        of the route's stages: the one gone from the swarm's view if there is one, else nobody (an innocent first
+        stage banned would wait out its ban like a dead one)."""
         if isinstance(e, OutOfStep):
             return None
         if isinstance(e, StepTimedOut) and self.options.mode == "push":
-            with self._lock:
-                route = next((p.route for p in self._pipes.values() if any(s.node == e.peer for s in p.route)), ())
             view = self.members.view()
             return next((s.node for s in route if s.node not in view), None)
         return e.peer

@@ -385,15 +385,19 @@ class Contributor:
 
     def _on_plan(self, state: PlanState) -> None:
         """Runs in the node's loop: only decide, never block."""
-        me = self.identity.peer_id
-        target = stages_of(state.target, me)
+        target = stages_of(state.target, self.identity.peer_id)
         with self._lock:  # a loader adding a span waits: the spans announced are the server's
-            if self.server is not None:  # keep what clients route over (active) and what comes next (target)
-                self.server.keep_only({s.span for s in target + stages_of(state.active, me)})
+            if self.server is not None:
+                self.server.keep_only(self._planned_spans(state))
                 self.lifecycle.serving_only(self.server.spans)
         mine = target[0] if target else None
         if mine is not None and not self.stopping.is_set() and self.lifecycle.begin_load(mine.span):
             self._start_worker(self._load, "span-loader", mine.span, mine.offload_fraction)
+
+    def _planned_spans(self, state: PlanState) -> set[Span]:
+        """The spans `state` has this node serve: what clients route over (active) and what comes next (target)."""
+        me = self.identity.peer_id
+        return {s.span for s in stages_of(state.target, me) + stages_of(state.active, me)}
 
     def _load(self, span: Span, offload_fraction: float = 0.0) -> None:
         log.info("loading layers %s of %s (offload %.0f%%)", span, self.options.model, 100 * offload_fraction)
@@ -423,8 +427,7 @@ class Contributor:
             server.add(runtime)  # the old span keeps serving until the plan drops it
         with self._lock:
             self.server = server
-            plan = self.coordinator.state  # (a plan that came meanwhile found no server to tell)
-            server.keep_only({s.span for s in stages_of(plan.target, self.identity.peer_id)
-                              + stages_of(plan.active, self.identity.peer_id)} | {span})
+            # (a plan that came meanwhile found no server to tell)
+            server.keep_only(self._planned_spans(self.coordinator.state) | {span})
             self.lifecycle.loaded(span, offload_fraction, server.spans)
         self.say(Event("serving", f"serving layers {span}", {"start": span.start, "end": span.end}))

@@ -71,7 +71,7 @@ class Step(Message, frozen=True, tag="step"):
     keep: Keep | None = None
     commits: Commits = ()  # the stages before this one, in order (audits)
     # the session's earlier steps not computed yet are not wanted (speculation built on an outcome that did
-    # not happen): a stage drops them, and this step's keep no longer names their positions
+    # not happen): a stage computes none of them, but applies their keeps and holds their positions (`held`)
     cancel: bool = False
     # > 0: a cancelled step passed on by the stage that dropped it, for the stages after it: no hidden states;
     # each applies its keep and holds its `held` positions (their KV never read: the cancelling step's keep
