@@ -29,11 +29,11 @@ check: $(STAMP)
 test: $(STAMP) check
 	@mkdir -p build
 	@($(MAKE) --no-print-directory $(BUNDLE) > build/bundle.log 2>&1; echo $$? > build/bundle.rc; \
-	  $(PY) -m pytest -m netns --durations=10 --basetemp=build/netns-tmp $(PYTEST_ARGS) > build/netns.log 2>&1; \
+	  $(PY) -m pytest -m "netns or faults" --durations=10 --basetemp=build/netns-tmp $(PYTEST_ARGS) > build/netns.log 2>&1; \
 	  echo $$? > build/netns.rc) & \
-	{ $(PY) -m pytest -m "not netns" --durations=20 $(PYTEST_ARGS) --ignore=tests/test_bundle.py; \
+	{ $(PY) -m pytest -m "not netns and not faults" --durations=20 $(PYTEST_ARGS) --ignore=tests/test_bundle.py; \
 	  echo $$? > build/suite.rc; } | tee build/suite.log; wait; \
-	echo "--- the network-namespace tests (build/netns.log) ---"; cat build/netns.log; \
+	echo "--- the network-namespace and fault tests, run beside the suite (build/netns.log) ---"; cat build/netns.log; \
 	if [ "$$(cat build/bundle.rc)" != 0 ]; then tail -40 build/bundle.log; echo "bundle build failed"; exit 1; fi; \
 	{ BEESWARM_REQUIRE_BUNDLE=1 $(PY) -m pytest $(PYTEST_ARGS) tests/test_bundle.py; \
 	  echo $$? > build/bundle-tests.rc; } | tee build/bundle-tests.log; \

@@ -122,19 +122,21 @@ def in_terminal(argv: list[str], env: dict, shown: bytes, keys: bytes, timeout: 
 
 
 def start_contributors(procs: list, model, n: int, max_memory: int, env: dict, tmp_path, join: str | None = None,
-                       extra_env: dict[int, dict] | None = None, logs=None) -> tuple[dict, str]:
+                       extra_env: dict[int, dict] | None = None, logs=None, heartbeat: float = INTERVAL
+                       ) -> tuple[dict, str]:
     """`n` headless `contribute` processes on 127.0.0.1, each offering `max_memory` bytes, the first the
     bootstrap (or all joining `join`); each is added to `procs` as it starts (the caller kills them, even
     after a failure here); `extra_env[i]`: more environment for the i-th; `logs`: a folder for their logs
-    (`node<i>.log`, INFO). Returns (peer id -> process, in the order started; the bootstrap address).
-    Those joining a bootstrap start at once, side by side (each spends seconds importing torch)."""
+    (`node<i>.log`, INFO); `heartbeat`: the swarm's interval (production's is 3 s). Returns (peer id ->
+    process, in the order started; the bootstrap address). Those joining a bootstrap start at once, side by
+    side (each spends seconds importing torch)."""
     import subprocess
     import sys
 
     def start(i: int, boot: str | None):
         cmd = [sys.executable, "-m", "beeswarm", *(["--log-level", "INFO"] if logs else []), "contribute",
                "--headless", "--model", str(model), "--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory",
-               str(max_memory), "--heartbeat", "1", *(["--join", boot] if boot else [])]
+               str(max_memory), "--heartbeat", str(heartbeat), *(["--join", boot] if boot else [])]
         with open(logs / f"node{i}.log", "w") if logs else open(os.devnull, "w") as err:  # the child keeps a copy
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                     env={**env, **(extra_env or {}).get(i, {}),
@@ -154,14 +156,14 @@ def start_contributors(procs: list, model, n: int, max_memory: int, env: dict, t
     return peers, boot
 
 
-def serve(model: str, join: str, env: dict, log, *extra: str):
+def serve(model: str, join: str, env: dict, log, *extra: str, heartbeat: float = INTERVAL):
     """A `beeswarm serve` process (its log in the file `log`) and the API's base URL."""
     import json
     import subprocess
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "beeswarm", "--log-level", "INFO", "serve", "--join", join,
-                             "--model", model, "--port", "0", "--json", "--heartbeat", "1", *extra],
+                             "--model", model, "--port", "0", "--json", "--heartbeat", str(heartbeat), *extra],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line, _ = read_until(lines_of(proc), '{"event": "serving"', 120)
     return proc, json.loads(line)["url"]

@@ -5,6 +5,7 @@ a replica) and a `serve` process in front of them, with an API key and --max-con
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,39 +15,14 @@ import time
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from beeswarm.contributor.local import budgets
-from helpers import past_probation, reference_greedy, serve, start_contributors, wait_for
+from helpers import lines_of, past_probation, read_until, serve, start_contributors, wait_for
+from served import KEY, Served
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
-KEY = "test-key-0123"
 PROMPT = "def f(x):"
-
-
-class Served:
-    def __init__(self, url: str, model: str, peers: dict, tokenizer):
-        self.url, self.model, self.peers, self.tokenizer = url, model, peers, tokenizer
-        self.client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
-        self.http = httpx.Client(base_url=url.removesuffix("/v1"), timeout=120,
-                                 headers={"Authorization": f"Bearer {KEY}"})
-        self._references: dict[tuple[str, int, float], str] = {}
-
-    def health(self) -> dict:
-        return self.http.get("/health").json()
-
-    def reference(self, prompt: str, n: int, repetition_penalty: float = 1.0) -> str:
-        """transformers' greedy text for `prompt` (what `chat --greedy` returns), ended at EOS as serving does."""
-        key = (prompt, n, repetition_penalty)
-        if key not in self._references:
-            tokens = reference_greedy(self.model, self.tokenizer.encode(prompt), n,
-                                      repetition_penalty=repetition_penalty)
-            eos = self.tokenizer.eos_token_id
-            if eos in tokens:
-                tokens = tokens[:tokens.index(eos) + 1]
-            self._references[key] = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return self._references[key]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +37,7 @@ def served(tiny_models, tmp_path_factory):
         with open(tmp / "serve.log", "w") as log:  # the child keeps its own copy of the descriptor
             proc, url = serve(model, boot, env, log, "--api-key-env", "API_KEY", "--max-concurrent", "8")
         procs.append(proc)
-        s = Served(url, model, peers, AutoTokenizer.from_pretrained(model))
+        s = Served(url, model, peers)
         wait_for(lambda: s.health()["status"] == "ok", 90, "a route through the swarm")
         yield s
     finally:
@@ -316,15 +292,12 @@ def test_serve_takes_the_swarms_model_and_refuses_another(tiny_models, tmp_path)
                                      "--json", "--heartbeat", "1"], stdout=subprocess.PIPE, stderr=log, text=True,
                                     env=env)
             procs.append(proc)
-            from helpers import lines_of, read_until
             line, _ = read_until(lines_of(proc), '{"event": "serving"', 180)
-        url = __import__("json").loads(line)["url"]
+        url = json.loads(line)["url"]
         reply = httpx.post(url + "/completions", timeout=120, json={"model": model, "prompt": "def f(x):",
                                                                   "max_tokens": 6, "temperature": 0})
         assert reply.status_code == 200, reply.text
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        expected = reference_greedy(model, tokenizer.encode("def f(x):"), 6)
-        assert reply.json()["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert reply.json()["choices"][0]["text"] == Served(url, model, {}).reference("def f(x):", 6)
     finally:
         for p in procs:
             p.kill()

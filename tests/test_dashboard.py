@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import pytest_asyncio
 from textual.pilot import Pilot
 from textual.widgets import Sparkline
+from transformers import AutoTokenizer
 
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.contributor.lifecycle import Phase
@@ -28,7 +30,17 @@ from beeswarm.tui.dashboard_app import DashboardApp
 from beeswarm.tui.widgets.log_panel import LogPanel
 from beeswarm.tui.widgets.peers_table import COLUMNS, PeersTable
 from beeswarm.tui.widgets.phase_bars import PhaseRow
-from helpers import LOCAL, in_terminal, lines_of, read_until, threads_left, until
+from helpers import (
+    LOCAL,
+    in_terminal,
+    lines_of,
+    read_until,
+    reference_greedy,
+    start_contributors,
+    threads_left,
+    until,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
 
@@ -241,8 +253,9 @@ def test_contribute_with_a_missing_model_says_so_before_any_screen(cli_env, tmp_
 
 def test_a_terminal_that_stops_reading_never_freezes_the_node(tiny_llama, cli_env, tmp_path):
     """Ctrl-S, a slow SSH link: the dashboard's terminal stops reading for 30 s while a newcomer joins (the swarm
-    re-plans, and the node logs under its locks). The node keeps beating and serving: the swarm never drops it.
-    Then the terminal reads again, and `q` leaves as ever."""
+    re-plans, and the node logs under its locks) and users chat through the node (sessions open and close, each
+    logged). The node keeps beating and serving: the swarm never drops it, and every chat returns transformers'
+    greedy text. Then the terminal reads again, and `q` leaves as ever."""
     import fcntl
     import pty
     import select
@@ -271,7 +284,6 @@ def test_a_terminal_that_stops_reading_never_freezes_the_node(tiny_llama, cli_en
         return seen
 
     try:
-        from helpers import start_contributors, wait_for
         peers, boot = start_contributors(procs, tiny_llama, 1, budget, cli_env, tmp_path)
         argv = [sys.executable, "-m", "beeswarm", "contribute", "--model", str(tiny_llama), "--listen", LOCAL[0],
                 "--max-memory", str(budget), "--heartbeat", "1", "--join", boot]
@@ -291,11 +303,21 @@ def test_a_terminal_that_stops_reading_never_freezes_the_node(tiny_llama, cli_en
         # the terminal stops reading (its buffer fills within seconds); a newcomer joins: a re-plan, and log lines
         # on the dashboard's node
         start_contributors(procs, tiny_llama, 1, budget, cli_env, tmp_path, join=boot)
+        chats = [subprocess.Popen([sys.executable, "-m", "beeswarm", "chat", "--join", boot, "--model", str(tiny_llama),
+                                   "--greedy", "--no-spec", "--json", "--max-new-tokens", "8", "--heartbeat", "1",
+                                   "--prompt", "def f(x):"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  text=True, env={**cli_env, "BEESWARM_CONFIG_DIR": str(tmp_path / f"chat{i}")})
+                 for i in range(2)]
+        procs += chats
         stalled = time.monotonic() + 30
         while time.monotonic() < stalled:
             ages = members()
             assert dashboard in ages and ages[dashboard] < 3, f"the stalled dashboard's node was dropped: {ages}"
             time.sleep(0.5)
+        expected = reference_greedy(tiny_llama, AutoTokenizer.from_pretrained(tiny_llama).encode("def f(x):"), 8)
+        for chat in chats:
+            out, _ = chat.communicate(timeout=120)
+            assert chat.returncode == 0 and json.loads(out)["tokens"] == expected
         read(2)  # the terminal reads again
         os.write(fd, b"q")
         read(30)

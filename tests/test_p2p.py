@@ -502,3 +502,32 @@ def test_an_outbox_never_makes_its_caller_wait_for_a_peer_that_stopped_reading()
     pool.thaw.set()
     wait_for(lambda: pool.got.get("frozen") == [b"0", b"1", b"2", b"3", b"4"], 5, "the thawed peer's frames, in order")
     outbox.close()
+
+
+def test_slow_handlers_with_threads_of_their_own_never_starve_the_quick_ones(mesh):
+    """Audits, reveals and judging take seconds each: more of them at once than trio's 40 shared worker
+    threads once left session opens, beats and every quick request waiting behind them."""
+    a, b = mesh(2, members=False)
+    release = threading.Event()
+
+    def audit(peer: str, msg: Ping) -> Echo:
+        release.wait(30)
+        return echo(peer, msg)
+
+    a.serve("/test/slow/1", audit, PINGS, threads=1)
+    a.serve("/test/echo/1", echo, PINGS)
+    b.connect(a.addrs[0])
+    replies: list = []
+    slow = [threading.Thread(target=lambda i=i: replies.append(b.request(a.peer_id, "/test/slow/1", Ping(n=i),
+                                                                          ECHOES, timeout=60)))
+            for i in range(48)]
+    try:
+        for t in slow:
+            t.start()
+        time.sleep(1.0)  # the slow requests arrive first (were this too short, the test would pass, never fail)
+        assert b.request(a.peer_id, "/test/echo/1", Ping(n=7), ECHOES, timeout=5) == Echo(n=7, peer=b.peer_id)
+    finally:
+        release.set()
+        for t in slow:
+            t.join(60)
+    assert sorted(r.n for r in replies) == list(range(48))  # and every slow one answered in its turn

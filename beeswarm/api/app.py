@@ -120,6 +120,7 @@ class Api:
                   for s in (route.stages if route else ())]
         return JSONResponse({"status": "ok" if route else "no_route", "model": self.completer.model_id,
                              "route": stages, "members": len(view), "plan_epoch": client.coordinator.state.epoch,
+                             "coordinator": client.coordinator.state.coordinator or None,
                              "reach": client.node.reachability.reach,
                              "active_requests": self.admission.active},
                             200 if route else 503)

@@ -35,6 +35,8 @@ from beeswarm.shard.entry import EntryModel
 log = logging.getLogger(__name__)
 
 Route = tuple[Stage, ...]  # stages covering every layer in order
+# a step's result waited for this long at most; a stage that dies or stops beating fails its steps sooner
+STEP_TIMEOUT_S = 30.0
 CLOSE_AFTER_FAILURE_S = 5.0  # a session's other stages are told it closed, after a failure, this briefly
 _session_replies = reply_decoder(Opened, Closed)
 
@@ -137,7 +139,7 @@ class SentStep:
 
 class RemotePipeline:
     def __init__(self, node: Node, inbox: Inbox, entry: EntryModel, route: Route, mode: str = "push",
-                 link_bytes_per_s: float | None = None, step_timeout_s: float = 30.0, compress: bool = True,
+                 link_bytes_per_s: float | None = None, step_timeout_s: float = STEP_TIMEOUT_S, compress: bool = True,
                  auditor: Auditor | None = None, receipts: ReceiptBook | None = None):
         """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons);
         `auditor`: gets every step's checked commitments (None: they are checked, then dropped); `receipts`:

@@ -372,22 +372,21 @@ class SwarmClient:
                 pipes = list(self._pipes.values())
             for pipe in pipes:
                 pipe.found(info.peer)
-        elif event == "leave" and info.state != "leaving":  # one leaving gracefully finishes its steps first
-            self._route_around_silent_stages()
+        if event != "leave" or info.state != "leaving":  # one leaving gracefully finishes its steps first
+            self._route_around_silent_stages()  # a stage gone silent, or a spare now serving what it held
 
     def _route_around_silent_stages(self) -> None:
         """Steps waiting on a stage that stopped beating (frozen, its host asleep, its link gone without a
-        reset) fail now, instead of after the 30 s step timeout, once another route exists: until then a
-        short freeze is better waited out than routed around (a spare must load the span first)."""
-        if self.find_route() is None:
-            return
+        reset) fail now, instead of after the step timeout, once another route exists: until then a short
+        freeze is better waited out than routed around. Checked again as members change (a spare announcing
+        the span it loaded) and as plans come."""
         view = self.members.view()
         with self._lock:
-            pipes = list(self._pipes.values())
-        for pipe in pipes:
-            for stage in pipe.route:
-                if stage.node not in view:
-                    pipe.lose(stage.node, "stopped beating (gone from the swarm's view)")
+            silent = [(pipe, s.node) for pipe in self._pipes.values() for s in pipe.route if s.node not in view]
+        if not silent or self.find_route() is None:
+            return
+        for pipe, peer in silent:
+            pipe.lose(peer, "stopped beating (gone from the swarm's view)")
 
     @property
     def traffic(self) -> tuple[int, int]:
