@@ -39,7 +39,7 @@ import torch
 from beeswarm.audit import DEFAULT_RATE, commitments
 from beeswarm.audit.auditor import Auditor
 from beeswarm.audit.faults import Fault, _token_direction
-from beeswarm.audit.replay import relative_error, replay
+from beeswarm.audit.replay import drift, error_vectors, relative_error, replay
 from beeswarm.client.remote import Inbox, RemotePipeline
 from beeswarm.client.swarm import ClientOptions, SwarmClient
 from beeswarm.contributor.local import LocalSwarm, threads_per_process
@@ -61,13 +61,13 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 class Chain:
     """Three stage servers on their own nodes (the middle one with `fault`), and an entry node."""
 
-    def __init__(self, folder: str, fault: Fault | None = None):
-        self.folder = folder
+    def __init__(self, folder: str, fault: Fault | None = None, dtype: str = "float32"):
+        self.folder, self.dtype = folder, dtype
         config_layers = EntryModel(folder, "float32", "cpu").config.num_hidden_layers
         self.spans = even_splits(config_layers, 3)
         self.nodes = [Node(identity.ephemeral(), NodeConfig(listen=LOCAL)).start() for _ in range(4)]
         *stages, self.entry_node = self.nodes
-        self.servers = [StageServer(node, SpanRuntime(folder, span, "float32", "cpu"),
+        self.servers = [StageServer(node, SpanRuntime(folder, span, dtype, "cpu"),
                                     fault=fault if i == 1 else None).start()
                         for i, (node, span) in enumerate(zip(stages, self.spans))]
         for node in stages:
@@ -76,12 +76,12 @@ class Chain:
             a.connect(b.addrs[0])
         self.route = tuple(Stage(node=n.peer_id, span=s) for n, s in zip(stages, self.spans))
         self.inbox = Inbox(self.entry_node).start()
-        self.entry = EntryModel(folder, "float32", "cpu")
+        self.entry = EntryModel(folder, dtype, "cpu")
         self.layers: dict = {}
 
     def runtime_for(self, span):
         if span not in self.layers:
-            self.layers[span] = SpanRuntime(self.folder, span, "float32", "cpu")
+            self.layers[span] = SpanRuntime(self.folder, span, self.dtype, "cpu")
         return self.layers[span]
 
     def pipeline(self, auditor: Auditor | None) -> RemotePipeline:
@@ -137,8 +137,10 @@ def checkpoint_hidden(model: str) -> int:
 
 
 def tolerance(args) -> dict:
-    """Honest stages batch concurrent sessions; the replay runs each alone. How far apart do they land?"""
-    chain = Chain(args.model)
+    """Honest stages batch concurrent sessions; the replay runs each alone. How far apart do they land, per token
+    and as a direction held over a session's tokens (`replay.drift`: the mean error's norm, and that over rms /
+    sqrt(n), its honest size)?"""
+    chain = Chain(args.model, dtype=args.dtype)
     try:
         pipe = chain.pipeline(None)
         sessions: list[str] = []
@@ -148,7 +150,7 @@ def tolerance(args) -> dict:
             t.start()
         for t in threads:
             t.join()
-        errors = []
+        errors, drifts = [], []
         for server in chain.servers:
             for session in sessions:
                 key = f"{chain.entry_node.peer_id}/{session}"
@@ -157,9 +159,14 @@ def tolerance(args) -> dict:
                     continue
                 outs = replay(chain.runtime_for(server.spans[0]), log.steps)
                 errors += [relative_error(s.output, o) for s, o in zip(log.steps, outs, strict=True)]
+                drifts.append(drift(torch.cat([error_vectors(s.output.to(o.dtype), o)
+                                               for s, o in zip(log.steps, outs, strict=True)])))
         batched = sum(s.traffic.steps for s in chain.servers)
-        return {"steps_compared": len(errors), "max_relative_error": max(errors),
-                "median_relative_error": statistics.median(errors), "stage_steps": batched}
+        return {"dtype": args.dtype, "steps_compared": len(errors), "max_relative_error": max(errors),
+                "median_relative_error": statistics.median(errors), "stage_steps": batched,
+                "sessions_compared": len(drifts), "max_drift": max(d for d, _ in drifts),
+                "max_drift_z": round(max(z for _, z in drifts), 2),
+                "median_drift_z": round(statistics.median(z for _, z in drifts), 2)}
     finally:
         chain.close()
 
@@ -346,6 +353,7 @@ SECTIONS = {"cost": cost, "tolerance": tolerance, "detection": detection, "caugh
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tinycode")
+    parser.add_argument("--dtype", default="float32", help="tolerance: the stages' dtype")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per generation")
     parser.add_argument("--trials", type=int, default=200, help="generations per detection cell")

@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import httpx
 import msgspec
@@ -60,20 +61,22 @@ PROMPTS = ([5, 6, 7], [100, 3, 250, 17, 9, 1, 42])
 class Layers:
     """A third party's own copy of each span (what the coordinator loads to judge)."""
 
-    def __init__(self, folder):
-        self.folder, self.loaded = folder, {}
+    def __init__(self, folder, dtype: str = "float32"):
+        self.folder, self.dtype, self.loaded = folder, dtype, {}
 
     def __call__(self, span: Span) -> SpanRuntime:
         if span not in self.loaded:
-            self.loaded[span] = SpanRuntime(self.folder, span, dtype="float32", device="cpu")
+            self.loaded[span] = SpanRuntime(self.folder, span, dtype=self.dtype, device="cpu")
         return self.loaded[span]
 
 
-def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=lambda stage: 0):
-    """Three stages (the middle one with `fault`), an entry node connected to all, and its auditor, whose
-    evidence is kept in `auditor.sent` and passes in `auditor.vouched` instead of going to a coordinator."""
+def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=lambda stage: 0,
+          dtype: str = "float32"):
+    """Three stages (the middle one with `fault`) serving `dtype`, an entry node connected to all, and its
+    auditor, whose evidence is kept in `auditor.sent` and passes in `auditor.vouched` instead of going to a
+    coordinator."""
     stages = mesh(3, members=False)
-    servers = [StageServer(node, SpanRuntime(folder, Span(a, b), dtype="float32", device="cpu"),
+    servers = [StageServer(node, SpanRuntime(folder, Span(a, b), dtype=dtype, device="cpu"),
                            fault=fault if i == 1 else None).start()
                for i, (node, (a, b)) in enumerate(zip(stages, SPLITS))]
     (entry_node,) = mesh(1, members=False, bootstrap=[])
@@ -84,7 +87,7 @@ def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=
     caught: dict[str, str] = {}
     sent: list = []
     vouched: list = []
-    auditor = Auditor(entry_node, Layers(folder), rate, on_caught=caught.__setitem__, report=sent.append,
+    auditor = Auditor(entry_node, Layers(folder, dtype), rate, on_caught=caught.__setitem__, report=sent.append,
                       standing=standing, vouch=lambda session, commit: vouched.append((session, commit)))
     auditor.sent, auditor.vouched = sent, vouched
     auditor.caught = caught
@@ -144,6 +147,44 @@ def test_a_dishonest_stage_is_caught_and_the_evidence_convinces_a_third_party(me
     assert evidence.accused == cheat and evidence.kind == "wrong"
     verdict = judge(evidence, Layers(tiny_llama))
     assert verdict.upheld and verdict.excluded == cheat and "recomputation" in verdict.reason
+
+
+def test_a_steady_nudge_under_the_per_token_tolerance_is_caught_by_its_direction(mesh, tiny_llama):
+    """bfloat16's per-token tolerance is 5% (its honest rounding reaches ~1e-2): a stage nudging every token 2.5%
+    the same way passed every audit. Added up over an audit's tokens, the nudge stands out of the rounding."""
+    fault = Fault("bias", 1.0, _token_direction(tiny_llama, 64), scale=0.025)
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, fault, dtype="bfloat16")
+    cheat = stages[1].peer_id
+    sessions = [run(pipe, prompt, 12)[0] for prompt in PROMPTS]
+    assert auditor.settle(sessions) == {cheat}
+    evidence = auditor.sent[0]
+    assert evidence.accused == cheat and evidence.kind == "wrong"
+    verdict = judge(evidence, Layers(tiny_llama, "bfloat16"))
+    assert verdict.upheld and verdict.excluded == cheat and "drift" in verdict.reason
+
+
+def test_honest_bfloat16_stages_batched_with_other_sessions_are_never_accused(mesh, tiny_llama, tmp_path):
+    """Honest rounding differs between a stage's batched pass and the audit's replay alone; neither a token's
+    error nor the direction test may take it for a lie: sessions at once (so batches form), plain and
+    speculative, every step audited."""
+    pipe, auditor, _, _ = swarm(mesh, tiny_llama, dtype="bfloat16")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 257) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
+    sessions: list[str] = []
+    threads = [threading.Thread(target=lambda p=p: sessions.append(run(pipe, p, 16)[0])) for p in prompts]
+    for t in threads:
+        t.start()
+    draft = DraftModel(str(write_tiny_checkpoint(tmp_path / "draft", "llama", num_layers=1, seed=5)),
+                       pipe.entry.config.vocab_size)
+    session = pipe.open(256)
+    sessions.append(session)
+    speculative_generate(SessionSteps(pipe, session), draft, prompts[0], 16, SamplingParams(), Tuner(in_flight=3),
+                         max_length=256, max_in_flight=3)
+    pipe.close_session(session)
+    for t in threads:
+        t.join(120)
+    assert len(sessions) == 9 and auditor.settle(sessions) == set(), auditor.caught
+    assert auditor.sent == [] and auditor.counts.passed == 3 * len(sessions)
 
 
 @pytest.mark.parametrize("mode", ["identity", "noise@0.5", "bias"])
@@ -275,6 +316,70 @@ def test_an_auditor_that_accuses_honest_stages_is_convicted_and_they_are_cleared
     assert set(cleared) == {s.peer_id for s in stages} and "false accusation" in next(iter(cleared.values()))
     assert [v.excluded for v in auditor.verdicts] == [liar.node.peer_id] * 3
     assert pipe.node.bans.is_banned(liar.node.peer_id) and auditor.counts.auditors_caught == 3
+
+
+def test_an_auditor_that_cannot_reach_the_stage_leaves_the_audit_to_another_and_accuses_nobody(mesh, tiny_llama):
+    """A contributor drawn as auditor as it joins, before its view brought it the stages' addresses, cannot reach
+    them: no refusal of theirs (it was taken for one: the stages were caught, their tokens taken back, the route
+    left with no stage to serve it). It says it cannot, and the next auditor checks them."""
+    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
+    (newcomer_node,) = mesh(1, members=False, bootstrap=[])
+    newcomer_node.connect(pipe.node.addrs[0])  # it knows the entry that commissions it, none of the stages
+    newcomer = PeerAuditService(newcomer_node, Layers(tiny_llama))
+    newcomer.start()
+    (honest,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1)
+    auditor.runtime_for = None
+    auditor.auditors = lambda span, stage: [[newcomer.node.peer_id], [honest.node.peer_id]]
+    session, tokens = run(pipe, PROMPTS[1], 8)
+    assert tokens == reference_greedy(tiny_llama, PROMPTS[1], 8)
+    assert auditor.settle([session]) == set(), auditor.caught
+    assert auditor.counts.refused == 0 and auditor.sent == [] and newcomer.audits >= 1
+    assert honest.audits >= 3  # the three newcomers on probation, each audited whole
+
+
+class LinkLostAuditor(PeerAuditService):
+    """An auditor whose link to the stages broke: it reports each audit as the stage's refusal."""
+
+    def _audit(self, ask: AuditAsk) -> Audited:
+        c, key, me = ask.commission, self.node.identity.key_pair, self.node.peer_id
+        verdict = sign_verdict(key, AuditVerdict(auditor=me, entry=c.entry, stage=c.stage, session=c.session,
+                                                 step=c.step, passed=False, commits=commits_digest(ask.commits),
+                                                 detail="refused"))
+        return Audited(verdict, sign_evidence(key, Evidence(
+            kind="refused", accused=c.stage, accuser=me, entry=c.entry, session=c.session, span=ask.commits[0].span,
+            commits=ask.commits, detail="the stream to it broke")))
+
+
+def test_a_refusal_the_coordinator_finds_unfounded_clears_the_stage_at_the_entry(mesh, tiny_llama):
+    """A peer auditor reports a refusal; the coordinator asks the stage itself, which reveals, and its work checks
+    out: nobody is excluded (the auditor may have lost its link). The entry clears the stage: its tokens stand
+    (they were taken back, and the stage kept failing the route's steps with the old reason)."""
+    pipe, auditor, stages, servers = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
+    (lost,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1, kind=LinkLostAuditor)
+    judge_node = lost.node  # connected to every stage; plays the coordinator
+
+    def ask(stage, entry, session, step):
+        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry),
+                                  reply_decoder(Revealed, limit=judge_node.config.max_tensor_bytes))
+
+    def coordinator(evidence: Evidence) -> Verdict:
+        judged = judge(evidence, Layers(tiny_llama), ask_reveal=ask)
+        return Verdict(excluded=judged.excluded, reason=judged.reason[:500])
+
+    for server in servers:
+        server.coordinator = lambda: judge_node.peer_id
+    auditor.runtime_for = None
+    auditor.auditors = lambda span, stage: [[lost.node.peer_id]]
+    cleared: dict[str, str] = {}
+    auditor.on_cleared = cleared.__setitem__
+    auditor._report = coordinator
+    session, tokens = run(pipe, PROMPTS[1], 8)
+    assert auditor.settle([session]) == set(), auditor.caught
+    assert set(cleared) == {s.peer_id for s in stages} and "checks out" in next(iter(cleared.values()))
+    assert [v.excluded for v in auditor.verdicts] == [""] * 3 and auditor.counts.auditors_caught == 0
+    assert not pipe.node.bans.is_banned(lost.node.peer_id)
+    session, again = run(pipe, PROMPTS[1], 8)  # the route serves on, through the stages cleared
+    assert again == tokens == reference_greedy(tiny_llama, PROMPTS[1], 8)
 
 
 @pytest.mark.parametrize("on_probation", [False, True], ids=["established", "on-probation"])

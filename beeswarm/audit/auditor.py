@@ -248,6 +248,8 @@ class Auditor:
             caught = job.stage in self._caught_anywhere()
         if caught:
             return  # caught already
+        if self._excused(job):  # it failed during the session, past probation: not blamed if it cannot reveal, and
+            return  # a liar would not; asking waited out a stopped stage's silence (30 s) while the stream held
         self._count("run")
         if self.runtime_for is not None:
             self._recompute_here(job, commits, unobserved, self.runtime_for)
@@ -430,16 +432,19 @@ class Auditor:
                 self._cond.notify_all()
 
     def _report_and_act(self, evidence: Evidence) -> None:
-        """Report the evidence; when the verdict finds a peer auditor's accusation false, the stage it accused
-        is cleared here (it is not banned, nor are its receipts withheld) and the auditor struck instead."""
+        """Report the evidence; when the verdict does not uphold a peer auditor's accusation, the stage it accused
+        is cleared here (it is not banned, nor are its receipts withheld, nor its tokens taken back): the
+        coordinator checked its work. The auditor is struck when the verdict finds the accusation false (a
+        refusal it could not show, the stage having revealed to the coordinator, may have been a lost link)."""
         verdict = self._report(evidence)
         if verdict is None:
             return
         self.verdicts.append(verdict)
         log.info("coordinator's verdict: %s excluded (%s)", verdict.excluded or "nobody", verdict.reason)
-        if verdict.excluded and verdict.excluded == evidence.accuser != self.node.peer_id:
-            self._count("auditors_caught")
-            self.node.bans.strike(evidence.accuser, verdict.reason, severe=True)
+        if evidence.accuser != self.node.peer_id and verdict.excluded != evidence.accused:
+            if verdict.excluded == evidence.accuser:
+                self._count("auditors_caught")
+                self.node.bans.strike(evidence.accuser, verdict.reason, severe=True)
             with self._cond:
                 for stages in self._caught.values():
                     stages.discard(evidence.accused)

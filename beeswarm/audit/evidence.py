@@ -122,8 +122,7 @@ def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_f
     except (SessionError, ProtocolError, codec.CodecError, RuntimeError) as e:  # inputs the span cannot run
         return Finding("wrong", f"its revealed inputs cannot be run through its span: {e}")
     if mismatch is not None:
-        return Finding("wrong", f"step {mismatch.step}: its output is {mismatch.error:.1e} away from the "
-                                f"recomputation (tolerance {mismatch.tolerance:.0e})")
+        return Finding("wrong", str(mismatch))
     return None
 
 

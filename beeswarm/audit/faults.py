@@ -1,10 +1,11 @@
-"""A dishonest stage, for tests and benchmarks only: `BEESWARM_TEST_FAULT=mode[@fraction]` in a
+"""A dishonest stage, for tests and benchmarks only: `BEESWARM_TEST_FAULT=mode[:scale][@fraction]` in a
 contributor's environment makes its stage misbehave on that fraction of steps (default all). No user
 sets it; a contributor that has it logs a warning at start. Modes:
 
 - noise: random hidden states of the output's scale
 - identity: its input sent on unchanged (skips its layers to save power)
-- bias: its output nudged by 5% of its norm along one token's LM-head row (pushes that token's logit)
+- bias: its output nudged by `scale` (default BIAS_SCALE, 5%) of its norm along one token's LM-head row
+  (pushes that token's logit): below the per-token tolerance, a steady nudge only the direction test sees
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class Fault:
     mode: str
     fraction: float = 1.0
     direction: torch.Tensor | None = None  # bias: a unit vector
+    scale: float = BIAS_SCALE  # bias: of the output's norm, per token
 
     @classmethod
     def from_env(cls, folder: Path, hidden_size: int) -> Fault | None:
@@ -38,12 +40,13 @@ class Fault:
         if not spec:
             return None
         mode, _, fraction = spec.partition("@")
+        mode, _, scale = mode.partition(":")
         if mode not in MODES:
             raise ValueError(f"{ENV}={spec!r}: the mode is one of {', '.join(MODES)}")
         direction = _token_direction(folder, hidden_size) if mode == "bias" else None
-        fault = cls(mode, float(fraction) if fraction else 1.0, direction)
+        fault = cls(mode, float(fraction) if fraction else 1.0, direction, float(scale) if scale else BIAS_SCALE)
         log.warning("TEST FAULT ON: this stage returns wrong activations (%s on %.0f%% of steps)",
-                    mode, 100 * fault.fraction)
+                    spec, 100 * fault.fraction)
         return fault
 
     def apply(self, given: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -55,7 +58,7 @@ class Fault:
             return given.to(device=out.device, dtype=out.dtype)
         assert self.direction is not None
         push = self.direction.to(device=out.device, dtype=out.dtype)
-        return out + BIAS_SCALE * out.norm(dim=-1, keepdim=True) * push
+        return out + self.scale * out.norm(dim=-1, keepdim=True) * push
 
 
 def _token_direction(folder: Path, hidden_size: int) -> torch.Tensor:

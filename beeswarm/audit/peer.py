@@ -112,6 +112,8 @@ class PeerAuditService:
 
         if self.lax:
             return Audited(verdict(True))
+        if not self.node.knows(c.stage):  # a newcomer whose view has not brought it the stage yet: not its refusal
+            return ErrorReply(error=f"this auditor knows no address for {c.stage} yet", busy=True)
         try:
             revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c),
                                          self._reveals, timeout=REVEAL_TIMEOUT_S)

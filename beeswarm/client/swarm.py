@@ -339,7 +339,10 @@ class SwarmClient:
         log.warning("stage %s cleared: %s", peer, why)
         with self._lock:
             self.caught.pop(peer, None)
+            pipes = list(self._pipes.values())
         self.node.bans.lift(peer)
+        for pipe in pipes:  # its steps failed when it was caught: they may route through it again
+            pipe.found(peer)
 
     @classmethod
     def create(cls, entry: EntryModel, bootstrap: list[str], secret: bytes | None = None, interval: float = 3.0,

@@ -359,6 +359,16 @@ class Node:
             return False
         return any(not getattr(c, "is_closed", False) for c in conns)
 
+    def knows(self, peer: str) -> bool:
+        """Whether this node is connected to `peer` or holds an address to dial it (a newcomer does not yet for
+        the members its view has not brought it)."""
+        if self.is_connected(peer):
+            return True
+        try:
+            return bool(self._host.get_peerstore().addrs(_peer_id(peer))) if self._host is not None else False
+        except Exception:  # noqa: BLE001 - not a peer id, or no record of it
+            return False
+
     def _live_peers(self) -> set[Any]:
         return peers.live_peers(self._host)
 
