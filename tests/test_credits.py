@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from beeswarm.client.receipts import ReceiptBook
-from beeswarm.client.remote import Inbox, RemotePipeline, StageBusy, StageFailed
+from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps, StageBusy, StageFailed
 from beeswarm.contributor import admission
 from beeswarm.contributor.stage import StageServer
 from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE, MAX_AGE_S, MEMORY, CreditLedger, rank
@@ -18,6 +18,11 @@ from beeswarm.protocol import CONTROL_LIMIT, ProtocolError, encode
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.credits import MAX_BALANCES, MAX_RECENT, Receipt, swarm_id
 from beeswarm.shard import EntryModel, Span, SpanRuntime
+from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.speculate import speculative_generate
+from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
+from helpers import reference_greedy
+from tiny_checkpoints import write_tiny_checkpoint
 
 SWARM = swarm_id("beeswarm", "tinycode")
 NOW = 1_800_000_000.0
@@ -220,7 +225,7 @@ def test_a_full_stage_admits_a_credited_payers_session_before_an_uncredited_ones
         with pytest.raises(StageBusy, match="no memory"):
             pipes[name].open(50)
     pipes["occupant"].close_session(held)
-    with pytest.raises(StageBusy, match="room is kept for 1 waiting entry with more credit"):
+    with pytest.raises(StageBusy, match="room is kept for 1 entry that asked first or hold more credit"):
         pipes["newcomer"].open(50)  # asks first once room frees, but the credited payer is still waiting
     pipes["credited"].open(50)
 
@@ -231,6 +236,37 @@ def test_a_full_stage_admits_a_credited_payers_session_before_an_uncredited_ones
         forger.open(10)
 
 
+def test_a_full_stage_admits_a_speculative_session_with_smaller_trees_rather_than_refuse_it(mesh, tiny_llama,
+                                                                                            tmp_path):
+    """A speculative session reserves KV for the trees it may keep in flight (4 steps of 65 nodes): on a stage
+    with room for one such session and a little more, the next user was refused and backed off every round. It
+    is admitted with the room there is (its trees shrink to fit), and its tokens are transformers' greedy ones."""
+    prompt, new = [5, 6, 7, 8], 16
+    full, least = len(prompt) + new + 4 * (MAX_TREE_NODES + 1), len(prompt) + new + MAX_TREE_NODES + 1
+    (stage_node,) = mesh(1, members=False)
+    runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
+    StageServer(stage_node, runtime, kv_budget_bytes=runtime.kv_bytes(full + least + 10)).start()
+    entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
+    route = (Stage(node=stage_node.peer_id, span=Span(0, 8)),)
+    pipes = []
+    for _ in range(3):
+        (node,) = mesh(1, members=False, bootstrap=[])
+        node.connect(stage_node.addrs[0])
+        pipes.append(RemotePipeline(node, Inbox(node).start(), entry, route))
+    assert pipes[0].open_within(full, least)[1] == full
+    with pytest.raises(StageBusy, match="no memory"):
+        pipes[1].open(full)  # as it was
+    session, length = pipes[1].open_within(full, least)
+    assert length == least + 10
+    with pytest.raises(StageBusy, match="no memory"):  # no room left for even the least
+        pipes[2].open_within(full, least)
+    draft = DraftModel(str(write_tiny_checkpoint(tmp_path / "draft", "llama", num_layers=1, seed=5)),
+                       entry.config.vocab_size)
+    got = speculative_generate(SessionSteps(pipes[1], session), draft, prompt, new, SamplingParams(),
+                               Tuner(in_flight=4), max_length=length, max_in_flight=4)
+    assert got.tokens == reference_greedy(tiny_llama, prompt, new)
+
+
 def test_whom_a_full_stage_keeps_room_for_is_forgotten_once_it_stops_asking():
     now = [0.0]
     waiting = admission.Waiting(clock=lambda: now[0])
@@ -239,7 +275,14 @@ def test_whom_a_full_stage_keeps_room_for_is_forgotten_once_it_stops_asking():
     assert waiting.ahead("newcomer", admission.tier(None)) == 1 and waiting.ahead("rich", 2) == 0
     now[0] += admission.WAIT_MEMORY_S + 0.1  # it gave up (or was served elsewhere): room is nobody's again
     assert waiting.ahead("newcomer", admission.tier(None)) == 0
+    # within a tier, whoever asked first; asking again keeps one's place
+    waiting.refused("early", 1)
+    now[0] += 1
+    waiting.refused("late", 1)
+    waiting.refused("early", 1)
+    assert (waiting.ahead("early", 1), waiting.ahead("late", 1), waiting.ahead("newcomer", 1)) == (0, 1, 2)
+    assert waiting.ahead("rich", 2) == 0 and waiting.ahead("poor", 0) == 2
     for i in range(admission.MAX_WAITING + 10):  # a crowd of newcomers is remembered within bounds
         waiting.refused(f"peer{i}", 1)
     waiting.refused("rich", 2)
-    assert waiting.ahead("newcomer", 1) == 1 and len(waiting._refused) <= admission.MAX_WAITING
+    assert len(waiting) == admission.MAX_WAITING and waiting.ahead("rich", 2) == 0  # the latest of the lowest go

@@ -125,7 +125,12 @@ class OutOfStep(StageFailed):
 
 class StageBusy(StageFailed):
     """A healthy stage cannot take a session now: its KV memory or session slots are taken, or it does not
-    serve the span the entry's plan names (yet, or any more)."""
+    serve the span the entry's plan names (yet, or any more). `room`: the longest session it could take now
+    (tokens; 0: none, or not a matter of memory)."""
+
+    def __init__(self, peer: str, message: str, room: int = 0):
+        super().__init__(peer, message)
+        self.room = room
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,20 @@ class RemotePipeline:
     def raw_bytes(self) -> int:
         return sum(link.raw_bytes + link.raw_in for link in self.links.values())
 
+    def open_within(self, max_length: int, min_length: int) -> tuple[str, int]:
+        """(a session, its length): `max_length` if every stage has room for it, else the most room a full stage
+        has left, down to `min_length` (speculation's trees shrink to fit; it is not refused for room it would
+        only use at full width). StageBusy when even `min_length` finds no room."""
+        length = max_length
+        while True:
+            try:
+                return self.open(length), length
+            except StageBusy as e:
+                if not min_length <= e.room < length:
+                    raise
+                log.info("stage %s has room for a session of %d tokens, not %d: taking that", e.peer, e.room, length)
+                length = e.room
+
     def open(self, max_length: int) -> str:
         """A session on every stage of the route; if one stage refuses, those already opened are closed."""
         session = os.urandom(8).hex()
@@ -227,7 +246,9 @@ class RemotePipeline:
                                                timeout=timeout or self.step_timeout_s)
             return reply
         except RemoteError as e:
-            raise (StageBusy if e.busy else StageFailed)(stage.node, str(e)) from None
+            if e.busy:
+                raise StageBusy(stage.node, str(e), e.room) from None
+            raise StageFailed(stage.node, str(e)) from None
         except (NodeError, TimeoutError) as e:
             raise StageFailed(stage.node, str(e)) from None
 

@@ -558,9 +558,9 @@ class SwarmClient:
         """One attempt on one route: a session on `pipe`, the prompt and the tokens that stand prefilled,
         tokens until the request is met (or the caller ends it), the session closed, then the audits of every
         session so far awaited. The route failing is an outcome; any other exception propagates."""
-        in_flight, max_length = self._session_size(progress.request)
+        in_flight, max_length, least = self._session_size(progress.request)
         try:
-            session = pipe.open(max_length)
+            session, max_length = pipe.open_within(max_length, least)
             progress.sessions.append(session)
             self.receipts.begin(session, len(progress.request.prompt_ids) + len(progress.tokens))
             failed = None
@@ -587,13 +587,16 @@ class SwarmClient:
         caught = self.auditor.settle(progress.sessions) if self.auditor else set()
         return Caught(caught, progress.trusted(caught)) if caught else Done()
 
-    def _session_size(self, request: Request) -> tuple[int, int]:
-        """(speculative steps in flight at most, the session's length): the tokens asked for and, speculating,
-        KV room for the nodes in flight and not judged yet (each step's keep drops the dead ones)."""
+    def _session_size(self, request: Request) -> tuple[int, int, int]:
+        """(speculative steps in flight at most, the session's length, the least it takes): the tokens asked for
+        and, speculating, KV room for the nodes in flight and not judged yet (each step's keep drops the dead ones);
+        at the least one step's tree (a full stage admits a speculative session with smaller trees)."""
         in_flight = self.options.max_in_flight if self.options.mode == "push" else 1
+        tokens = len(request.prompt_ids) + request.max_new_tokens
         lookahead = min(in_flight, LOOKAHEAD_STEPS) * (MAX_TREE_NODES + 1) if request.speculate else 0
+        least = MAX_TREE_NODES + 1 if request.speculate else 0
         limit = self.entry.config.max_position_embeddings
-        return in_flight, min(limit, len(request.prompt_ids) + request.max_new_tokens + lookahead)
+        return in_flight, min(limit, tokens + lookahead), min(limit, tokens + least)
 
     def _decode(self, progress: Progress, pipe: RemotePipeline, session: str, m: int, in_flight: int,
                 max_length: int) -> None:

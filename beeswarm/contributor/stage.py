@@ -258,12 +258,14 @@ class StageServer:
                 if used + need > self.kv_budget_bytes:
                     if need <= self.kv_budget_bytes:  # one that can never fit waits for nothing
                         self.waiting.refused(payer, rank)
+                    free = max(0, self.kv_budget_bytes - used)
+                    room = free // runtime.kv_bytes(1) if self.waiting.ahead(payer, rank) == 0 else 0
                     return ErrorReply(error=f"no memory for a session of {msg.max_length} tokens: it needs {need} "
-                                            f"bytes of KV cache, {max(0, self.kv_budget_bytes - used)} are free",
-                                      busy=True)
+                                            f"bytes of KV cache, {free} are free", busy=True, room=room)
             if ahead := self.waiting.ahead(payer, rank):
-                return ErrorReply(error=f"room is kept for {ahead} waiting entr{'ies' if ahead > 1 else 'y'} with "
-                                        "more credit", busy=True)
+                self.waiting.refused(payer, rank)  # it keeps its place in the queue
+                return ErrorReply(error=f"room is kept for {ahead} entr{'ies' if ahead > 1 else 'y'} that asked "
+                                        "first or hold more credit", busy=True)
             self._opening[key] = need
         try:
             runtime.open(key, msg.max_length)

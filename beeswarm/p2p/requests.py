@@ -112,7 +112,7 @@ class Requests:
                     else:
                         await close_stream(stream)
                     if isinstance(reply, ErrorReply):
-                        raise RemoteError(reply.error, reply.busy)
+                        raise RemoteError(reply.error, reply.busy, reply.room)
                     return reply
         except trio.TooSlowError:
             raise TimeoutError(f"{protocol} request to {peer} timed out after {timeout} s") from None

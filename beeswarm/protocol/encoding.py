@@ -6,7 +6,7 @@ type and bounds before any handler sees it. Errors name the field path (`$.info.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
@@ -22,9 +22,9 @@ class ProtocolError(Exception):
 class RemoteError(Exception):
     """The peer answered a request with an error reply (`busy`: it has no room now, no fault of its own)."""
 
-    def __init__(self, message: str, busy: bool = False):
+    def __init__(self, message: str, busy: bool = False, room: int = 0):
         super().__init__(message)
-        self.busy = busy
+        self.busy, self.room = busy, room
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -44,6 +44,7 @@ class ErrorReply(Message, frozen=True, tag="error"):
 
     error: str = ""
     busy: bool = False
+    room: Annotated[int, msgspec.Meta(ge=0)] = 0  # busy for memory: the longest session it could take now (tokens)
 
     def __post_init__(self) -> None:
         Message.__post_init__(self)
