@@ -4,11 +4,14 @@
 Sections (all by default):
 - cost: bytes of a commitment per stage per step, and CPU per step for it (digests, signing, checking).
 - tolerance: the largest relative error between what stages computed batched with other sessions and
-  a replay alone, honest float32 on CPU (what the audit tolerance must clear).
+  a replay alone, honest `--dtype` on CPU (what the audit tolerance must clear), and the drift (the mean error
+  vector of a session's tokens against its honest size, what the direction test must clear).
 - detection: the fraction of generations (`--tokens` each) in which a stage misbehaving on a fraction f
   of its steps is caught at audit rate p, against the closed form 1 - (1 - p f)^steps.
 - caught: for each dishonest mode at the default rate, generations until the entry catches it, as a
   newcomer (probation) and as a stage that starts lying after earning trust.
+- honest: `--generations` honest ones in `--dtype` (8 at a time), every step audited: accusations (all false);
+  then a stage adding a steady `--bias`: the share of `--bias-trials` generations caught.
 - reveal: the bytes of a whole-session reveal (what a peer audit moves, stage to auditor) and the entry's
   commitments to the auditor, measured on real hidden states and scaled to 4096 wide and 2k tokens.
 - throughput: tokens/s, and CPU a token of every process, of 4 concurrent chats through a local swarm of 3
@@ -18,8 +21,9 @@ Sections (all by default):
   the first round).
 The in-process sections use real nodes on 127.0.0.1 and the `--model` checkpoint (tinycode by default).
 
-    python benchmarks/audit_bench.py [--sections cost tolerance detection caught reveal throughput]
-                                       [--rounds N] [--rates M ...] [--audit-here] [--json]
+    python benchmarks/audit_bench.py [--sections cost tolerance detection caught honest reveal throughput]
+                                       [--dtype D] [--generations N] [--bias B] [--rounds N] [--rates M ...]
+                                       [--audit-here] [--json]
 """
 from __future__ import annotations
 
@@ -228,6 +232,51 @@ def caught_after(args) -> dict:
     return out
 
 
+def honest(args) -> dict:
+    """Honest stages in `--dtype`: `--generations` generations 8 at a time (so the stages batch them), every step
+    audited and recomputed alone: any accusation (a token over the tolerance, or a drift) is a false one. Then the
+    middle stage adding a steady `--bias` (of each token's norm, the same way): the share of generations caught."""
+    direction = _token_direction(checkpoint.resolve(args.model), checkpoint_hidden(args.model))
+    chain = Chain(args.model, dtype=args.dtype)
+    try:
+        auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, standing=lambda stage: 100)
+        accused: list = []
+        auditor._report = accused.append
+        pipe = chain.pipeline(auditor)
+        done = 0
+        while done < args.generations:
+            sessions: list[str] = []
+            threads = [threading.Thread(target=lambda p=p: sessions.append(one_generation(pipe, p, args.tokens)))
+                       for p in prompts(min(8, args.generations - done), seed=1000 + done)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            auditor.settle(sessions)
+            done += len(sessions)
+        out = {"dtype": args.dtype, "generations": done, "audits_passed": auditor.counts.passed,
+               "accusations": len(accused), "details": sorted({e.detail[:100] for e in accused})[:5]}
+        auditor.close()
+        pipe.close()
+    finally:
+        chain.close()
+    print(json.dumps({"honest": out}), file=sys.stderr, flush=True)
+    chain = Chain(args.model, Fault("bias", 1.0, direction, args.bias), dtype=args.dtype)
+    try:
+        caught = 0
+        for prompt in prompts(args.bias_trials, seed=7):
+            auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, standing=lambda stage: 100)
+            auditor._report = lambda evidence: None
+            pipe = chain.pipeline(auditor)
+            caught += bool(auditor.settle([one_generation(pipe, prompt, args.tokens)]))
+            auditor.close()
+            pipe.close()
+        out["bias"] = {"scale": args.bias, "generations": args.bias_trials, "caught": caught}
+    finally:
+        chain.close()
+    return out
+
+
 def reveal_bytes(args) -> dict:
     """What a peer audit of a whole session costs on the wire: the stage's reveal (its inputs and outputs, every
     step, in the codec's lossless frames) to the auditor, and the commitments the entry hands the auditor. The
@@ -347,13 +396,16 @@ def cpu_s(process: psutil.Process) -> float:
 
 
 SECTIONS = {"cost": cost, "tolerance": tolerance, "detection": detection, "caught": caught_after,
-            "reveal": reveal_bytes, "throughput": throughput}
+            "honest": honest, "reveal": reveal_bytes, "throughput": throughput}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tinycode")
-    parser.add_argument("--dtype", default="float32", help="tolerance: the stages' dtype")
+    parser.add_argument("--dtype", default="float32", help="tolerance, honest: the stages' dtype")
+    parser.add_argument("--generations", type=int, default=1000, help="honest: generations")
+    parser.add_argument("--bias", type=float, default=0.025, help="honest: the steady nudge to catch")
+    parser.add_argument("--bias-trials", type=int, default=50, help="honest: generations with the nudge")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per generation")
     parser.add_argument("--trials", type=int, default=200, help="generations per detection cell")
