@@ -184,8 +184,8 @@ def detection(args) -> dict:
             for rate in (DEFAULT_RATE, 4 * DEFAULT_RATE):
                 caught = 0
                 for prompt in prompts(args.trials, seed=2):
-                    auditor = Auditor(chain.entry_node, chain.runtime_for, rate)
-                    auditor._report = lambda evidence: None  # no coordinator here
+                    auditor = Auditor(chain.entry_node, chain.runtime_for, rate,
+                                      report=lambda evidence: None).start()  # no coordinator here
                     pipe = chain.pipeline(auditor)
                     session = one_generation(pipe, prompt, args.tokens)
                     caught += bool(auditor.settle([session]))
@@ -215,9 +215,8 @@ def caught_after(args) -> dict:
             for who, standing in (("newcomer", 0), ("trusted", 100)):
                 counts = []
                 for trial in range(args.caught_trials):
-                    auditor = Auditor(chain.entry_node, chain.runtime_for, DEFAULT_RATE,
-                                      standing=lambda stage, s=standing: s)
-                    auditor._report = lambda evidence: None
+                    auditor = Auditor(chain.entry_node, chain.runtime_for, DEFAULT_RATE, report=lambda evidence: None,
+                                      standing=lambda stage, s=standing: s).start()
                     pipe = chain.pipeline(auditor)
                     for n, prompt in enumerate(prompts(1000, seed=100 + trial), start=1):
                         if auditor.settle([one_generation(pipe, prompt, args.tokens)]):
@@ -239,9 +238,9 @@ def honest(args) -> dict:
     direction = _token_direction(checkpoint.resolve(args.model), checkpoint_hidden(args.model))
     chain = Chain(args.model, dtype=args.dtype)
     try:
-        auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, standing=lambda stage: 100)
         accused: list = []
-        auditor._report = accused.append
+        auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, report=accused.append,
+                          standing=lambda stage: 100).start()
         pipe = chain.pipeline(auditor)
         done = 0
         while done < args.generations:
@@ -265,8 +264,8 @@ def honest(args) -> dict:
     try:
         caught = 0
         for prompt in prompts(args.bias_trials, seed=7):
-            auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, standing=lambda stage: 100)
-            auditor._report = lambda evidence: None
+            auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, report=lambda evidence: None,
+                              standing=lambda stage: 100).start()
             pipe = chain.pipeline(auditor)
             caught += bool(auditor.settle([one_generation(pipe, prompt, args.tokens)]))
             auditor.close()

@@ -88,7 +88,7 @@ def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=
     sent: list = []
     vouched: list = []
     auditor = Auditor(entry_node, Layers(folder, dtype), rate, on_caught=caught.__setitem__, report=sent.append,
-                      standing=standing, vouch=lambda session, commit: vouched.append((session, commit)))
+                      standing=standing, vouch=lambda session, commit: vouched.append((session, commit))).start()
     auditor.sent, auditor.vouched = sent, vouched
     auditor.caught = caught
     route = tuple(Stage(node=node.peer_id, span=Span(a, b)) for node, (a, b) in zip(stages, SPLITS))
@@ -548,12 +548,12 @@ def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_sta
     try:
         budget = budgets(model, 3)[0]
         peers, boot = start_contributors(procs, model, 3, budget, env, tmp_path,
-                                         extra_env={1: {ENV: "noise@0.5"}})
+                                         extra_env={1: {ENV: "noise@0.5"}}, logs=tmp_path)
         cheat = list(peers)[1]
         route = wait_for(lambda: next((p["stages"] for p in (status(boot, env)["plan"] or {}).get("active", [])
                                        if len(p["stages"]) == 3), None), 90, "a 3-stage route")
         assert cheat in [s["node"] for s in route]
-        start_contributors(procs, model, 1, budget, env, tmp_path, join=boot)
+        start_contributors(procs, model, 1, budget, env, tmp_path, join=boot, logs=tmp_path)
         prompt = "def f(x):"
         tokenizer = AutoTokenizer.from_pretrained(model)
         with open(tmp_path / "serve.log", "w") as log:

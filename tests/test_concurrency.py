@@ -96,7 +96,7 @@ def tinycode_swarm():
     layers = {span: SpanRuntime(folder, span, dtype="float32", device="cpu") for span in spans}
     caught: dict[str, str] = {}
     auditor = Auditor(entry_node, layers.__getitem__, 1.0, on_caught=caught.__setitem__,
-                      report=lambda evidence: None, vouch=lambda session, commit: None)
+                      report=lambda evidence: None, vouch=lambda session, commit: None).start()
     auditor.caught_here = caught
     pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), entry, route, auditor=auditor)
     yield pipe, folder, servers

@@ -169,7 +169,7 @@ class Api:
             return error_response(e)
         chat = isinstance(body, ChatRequest)
         shape = Shape(chat, self.completer.model_id, len(ids))
-        worker = Worker(lambda push: self.completer.run(job, push), job, self.admission.leave)
+        worker = Worker(lambda push: self.completer.run(job, push), job, self.admission.leave).start()
         if body.stream:
             # (comments every KEEP_ALIVE_S while nothing comes: a failover waiting for a re-plan loses no client)
             return EventSourceResponse(shape.stream(worker, body.include_usage), sep="\n", ping=KEEP_ALIVE_S)
@@ -180,14 +180,17 @@ KEEP_ALIVE_S = 10
 
 
 class Worker:
-    """One generation in a thread of its own (started at once), its output handed to the event loop as it
-    comes: text pieces, then the Outcome or an ApiError. `cancel()` ends it before its next token."""
+    """One generation in a thread of its own (`start()`), its output handed to the event loop as it comes: text
+    pieces, then the Outcome or an ApiError. `cancel()` ends it before its next token."""
 
     def __init__(self, work: Callable[[Callable[[object], None]], Outcome], job: Job, done: Callable[[], None]):
         self.work, self.job, self.done = work, job, done
         self._send, self._receive = anyio.create_memory_object_stream[object](math.inf)
         self._token = anyio.lowlevel.current_token()
+
+    def start(self) -> Worker:
         threading.Thread(target=self._run, daemon=True, name="api-generation").start()
+        return self
 
     def _push(self, item: object) -> None:
         try:

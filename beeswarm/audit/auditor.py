@@ -135,10 +135,13 @@ class Auditor:
         self._replies = reply_decoder(Revealed, limit=node.config.max_tensor_bytes)
         self._verdicts = reply_decoder(Verdict)
         self._credits = reply_decoder(Credited)
-        # several audits at once: concurrent generations' audits do not queue behind one another, and a peer
-        # audit is mostly waiting on the auditor
+
+    def start(self) -> Auditor:
+        """Start the workers that run the audits: several at once (concurrent generations' audits do not queue
+        behind one another, and a peer audit is mostly waiting on the auditor)."""
         for n in range(WORKERS):
             threading.Thread(target=self._run, name=f"auditor-{n}", daemon=True).start()
+        return self
 
     def close(self, drain_s: float = VOUCH_DRAIN_S) -> None:
         """Stop auditing; the passes still on their way to the coordinator get up to `drain_s` (a chat that

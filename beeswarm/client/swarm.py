@@ -362,6 +362,8 @@ class SwarmClient:
         self.members.listeners.append(self._on_member)
         self.coordinator.listeners.append(lambda _: self._route_around_silent_stages())
         self.inbox.start()
+        if self.auditor is not None:
+            self.auditor.start()
         Prober(self.node).start()  # stages measure their links to this entry (the codec sizes frames by them)
         self.members.start()
         self.coordinator.start()
