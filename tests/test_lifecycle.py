@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from beeswarm.contributor.lifecycle import Lifecycle, Phase
+from beeswarm.contributor.local import budgets
+from beeswarm.contributor.process import Contributor, ContributorOptions
+from beeswarm.contributor.stage import StageServer
 from beeswarm.p2p.identity import ephemeral
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.spans import Span
+from helpers import LOCAL, wait_for
 
 A, B = Span(0, 4), Span(4, 8)
 
@@ -121,3 +127,27 @@ def test_concurrent_loaders_and_plan_updates_never_announce_a_span_the_facts_do_
     facts = life.facts
     assert beat.last["layers"] == facts.span and beat.last["spans"] == facts.spans
     assert beat.last["state"] == facts.phase.value
+
+
+@pytest.mark.slow  # a real contributor: benchmark, node, its first span (a few seconds)
+def test_a_plan_arriving_as_the_first_span_starts_serving_never_freezes_the_node(tiny_llama, monkeypatch):
+    """The first span's server registers its protocols in the node's loop as it starts; a plan handled in the loop
+    then (its listener takes the contributor's lock) waited for the lock, while the start, under that lock, waited
+    for the loop: the node's loop froze for good and the span never served."""
+    contributor = Contributor.create(ephemeral(), ContributorOptions(
+        model=str(tiny_llama), listen=LOCAL, device="cpu", dtype="float32",
+        max_memory=budgets(str(tiny_llama), 1)[0], interval=1.0))
+    start = StageServer.start
+
+    def start_as_a_plan_arrives(server: StageServer) -> StageServer:
+        async def arrives() -> None:  # as a plan message is handled: in the node's loop
+            contributor.coordinator.follower.apply(contributor.coordinator.state)
+        contributor.node.call(arrives)
+        return start(server)
+
+    monkeypatch.setattr(StageServer, "start", start_as_a_plan_arrives)
+    threading.Thread(target=contributor.run, daemon=True, name="contributor").start()
+    try:
+        wait_for(lambda: contributor.phase == Phase.SERVING, 60, "the first span to serve")
+    finally:
+        contributor.stop()
