@@ -41,8 +41,9 @@ import psutil
 import torch
 
 from beeswarm.audit import DEFAULT_RATE, commitments
-from beeswarm.audit.auditor import Auditor
+from beeswarm.audit.auditor import Auditor, entry_auditor
 from beeswarm.audit.faults import Fault, _token_direction
+from beeswarm.audit.probation import PUBLISHED_UP_TO
 from beeswarm.audit.replay import drift, error_vectors, relative_error, replay
 from beeswarm.client.remote import Inbox, RemotePipeline
 from beeswarm.client.swarm import ClientOptions, SwarmClient
@@ -56,7 +57,7 @@ from beeswarm.protocol import encode
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.spans import even_splits
 from beeswarm.protocol.step import Commit
-from beeswarm.shard import EntryModel, SpanRuntime, checkpoint
+from beeswarm.shard import EntryModel, Span, SpanRuntime, checkpoint
 
 GREEDY = SamplingParams()
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -88,6 +89,12 @@ class Chain:
             self.layers[span] = SpanRuntime(self.folder, span, self.dtype, "cpu")
         return self.layers[span]
 
+    def auditor(self, rate: float, standing: int = 0, kept: list | None = None) -> Auditor:
+        """An entry auditor checking every audit with the layers loaded here, its evidence kept in `kept` (no
+        coordinator here); `standing`: the steps the swarm says each layer of every stage was checked on."""
+        return entry_auditor(self.entry_node, rate, standing=lambda stage: dict.fromkeys(range(1024), standing),
+                             here=self.runtime_for, reporter=Kept(kept if kept is not None else [])).start()
+
     def pipeline(self, auditor: Auditor | None) -> RemotePipeline:
         return RemotePipeline(self.entry_node, self.inbox, self.entry, self.route, auditor=auditor)
 
@@ -96,6 +103,22 @@ class Chain:
             server.stop()
         for node in self.nodes:
             node.stop()
+
+
+class Kept:
+    """The auditor's reporter here: evidence kept in a list, passes dropped."""
+
+    def __init__(self, evidence: list):
+        self.evidence = evidence
+
+    def report(self, evidence):
+        self.evidence.append(evidence)
+
+    def vouch(self, session, commit, layers, steps) -> None:
+        pass
+
+    def drain(self, timeout: float) -> None:
+        pass
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -175,6 +198,43 @@ def tolerance(args) -> dict:
         chain.close()
 
 
+def layer_tolerance(args) -> dict:
+    """What an interior piece's tolerance (`audit.layers.PIECE_TOLERANCE`, per layer) must clear: each layer of the
+    model run on 8 sessions' real hidden states batched together and each alone, a prefill then 8 decode steps, in
+    `--dtype`: the largest relative error per token, over layers and steps."""
+    from beeswarm.shard.span import StepInput
+
+    folder = checkpoint.resolve(args.model)
+    entry = EntryModel(folder, args.dtype, "cpu")
+    n = entry.config.num_hidden_layers
+    full = SpanRuntime(folder, Span(0, n), args.dtype, "cpu")
+    errors: list[float] = []
+    for layer in range(n):
+        batched, alone = full.view(Span(layer, layer + 1)), full.view(Span(layer, layer + 1))
+        tracer = full.view(Span(0, n))
+        sessions = prompts(8, seed=40 + layer)
+        inputs = []
+        for i, prompt in enumerate(sessions):  # the real hidden states entering `layer`, prefill and 8 steps
+            sid = f"t{layer}.{i}"
+            tracer.open(sid, len(prompt) + 9)
+            tokens = prompt + list(range(7, 15))
+            hidden = entry.embed(torch.tensor(tokens))
+            traced = tracer.trace(StepInput(sid, hidden, 0))
+            inputs.append(hidden if layer == 0 else traced[layer - 1])
+            tracer.close(sid)
+            for runtime in (batched, alone):
+                runtime.open(sid, len(tokens))
+        lengths = [len(p) for p in sessions]
+        for k in range(9):  # the prefill, then one token a step
+            parts = [(h[:q], 0) if k == 0 else (h[q + k - 1:q + k], q + k - 1) for h, q in zip(inputs, lengths)]
+            outs = batched.step([StepInput(f"t{layer}.{i}", x, start) for i, (x, start) in enumerate(parts)])
+            for i, (x, start) in enumerate(parts):
+                ref = alone.step_one(f"t{layer}.{i}", x, start)
+                errors.append(relative_error(outs[i], ref))
+    return {"dtype": args.dtype, "layers": n, "tokens_compared": len(errors), "max_relative_error": max(errors),
+            "median_relative_error": statistics.median(errors)}
+
+
 def detection(args) -> dict:
     """Generations caught / generations, per (rate, fraction), vs the closed form."""
     rows = []
@@ -184,8 +244,7 @@ def detection(args) -> dict:
             for rate in (DEFAULT_RATE, 4 * DEFAULT_RATE):
                 caught = 0
                 for prompt in prompts(args.trials, seed=2):
-                    auditor = Auditor(chain.entry_node, chain.runtime_for, rate,
-                                      report=lambda evidence: None).start()  # no coordinator here
+                    auditor = chain.auditor(rate)
                     pipe = chain.pipeline(auditor)
                     session = one_generation(pipe, prompt, args.tokens)
                     caught += bool(auditor.settle([session]))
@@ -212,11 +271,10 @@ def caught_after(args) -> dict:
         chain = Chain(args.model, Fault(name, float(fraction or 1), direction if name == "bias" else None))
         out[mode] = {}
         try:
-            for who, standing in (("newcomer", 0), ("trusted", 100)):
+            for who, standing in (("newcomer", 0), ("trusted", PUBLISHED_UP_TO)):
                 counts = []
                 for trial in range(args.caught_trials):
-                    auditor = Auditor(chain.entry_node, chain.runtime_for, DEFAULT_RATE, report=lambda evidence: None,
-                                      standing=lambda stage, s=standing: s).start()
+                    auditor = chain.auditor(DEFAULT_RATE, standing)
                     pipe = chain.pipeline(auditor)
                     for n, prompt in enumerate(prompts(1000, seed=100 + trial), start=1):
                         if auditor.settle([one_generation(pipe, prompt, args.tokens)]):
@@ -239,8 +297,7 @@ def honest(args) -> dict:
     chain = Chain(args.model, dtype=args.dtype)
     try:
         accused: list = []
-        auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, report=accused.append,
-                          standing=lambda stage: 100).start()
+        auditor = chain.auditor(1.0, PUBLISHED_UP_TO, accused)
         pipe = chain.pipeline(auditor)
         done = 0
         while done < args.generations:
@@ -264,8 +321,7 @@ def honest(args) -> dict:
     try:
         caught = 0
         for prompt in prompts(args.bias_trials, seed=7):
-            auditor = Auditor(chain.entry_node, chain.runtime_for, 1.0, report=lambda evidence: None,
-                              standing=lambda stage: 100).start()
+            auditor = chain.auditor(1.0, PUBLISHED_UP_TO)
             pipe = chain.pipeline(auditor)
             caught += bool(auditor.settle([one_generation(pipe, prompt, args.tokens)]))
             auditor.close()
@@ -394,7 +450,7 @@ def cpu_s(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-SECTIONS = {"cost": cost, "tolerance": tolerance, "detection": detection, "caught": caught_after,
+SECTIONS = {"cost": cost, "tolerance": tolerance, "layers": layer_tolerance, "detection": detection, "caught": caught_after,
             "honest": honest, "reveal": reveal_bytes, "throughput": throughput}
 
 

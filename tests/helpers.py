@@ -5,6 +5,10 @@ import os
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from beeswarm.protocol.audit import Evidence, Verdict
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 INTERVAL = 1.0  # membership and election heartbeat in tests
@@ -178,3 +182,35 @@ def past_probation(health, generate) -> bool:
         generate()
         return False
     return True
+
+
+class Seen:
+    """What the entry's audit unit told the world, kept: evidence sent (the coordinator answers with `verdict`),
+    passes vouched, and the stages caught, cleared and left unverified (its reporter and its listener)."""
+
+    def __init__(self):
+        self.sent: list[Evidence] = []
+        self.vouched: list[tuple] = []  # (session, commit, layers, steps)
+        self.caught: dict[str, str] = {}
+        self.cleared: dict[str, str] = {}
+        self.unverified: list[str] = []
+        self.verdict = lambda evidence: None
+
+    def report(self, evidence: Evidence) -> Verdict | None:
+        self.sent.append(evidence)
+        return self.verdict(evidence)
+
+    def vouch(self, session, commit, layers, steps) -> None:
+        self.vouched.append((session, commit, layers, steps))
+
+    def drain(self, timeout: float) -> None:
+        pass
+
+    def on_caught(self, stage: str, why: str) -> None:
+        self.caught[stage] = why
+
+    def on_cleared(self, stage: str, why: str) -> None:
+        self.cleared[stage] = why
+
+    def on_unverified(self, stage: str, why: str) -> None:
+        self.unverified.append(stage)

@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import httpx
 import msgspec
@@ -20,12 +21,13 @@ import torch
 from transformers import AutoTokenizer
 
 from beeswarm.audit import DEFAULT_RATE, commitments
-from beeswarm.audit.auditor import Auditor
+from beeswarm.audit.auditor import Auditor, entry_auditor
 from beeswarm.audit.evidence import judge, sign_evidence, sign_verdict
 from beeswarm.audit.faults import ENV, Fault, _token_direction
 from beeswarm.audit.peer import PeerAuditService, sign_commission
-from beeswarm.audit.probation import PROBATION_PASSES
+from beeswarm.audit.probation import PROBATION_STEPS, PUBLISHED_UP_TO
 from beeswarm.audit.retention import LoggedStep, StepLog
+from beeswarm.audit.runner import Candidates
 from beeswarm.client.remote import Inbox, RemotePipeline, SentStep, SessionSteps, StageFailed
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.stage import StageServer
@@ -51,7 +53,7 @@ from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.speculate import speculative_generate
 from beeswarm.spec.tuner import Tuner
-from helpers import reference_greedy, serve, start_contributors, wait_for
+from helpers import Seen, reference_greedy, serve, start_contributors, wait_for
 from tiny_checkpoints import write_tiny_checkpoint
 
 SPLITS = [(0, 3), (3, 5), (5, 8)]
@@ -70,11 +72,24 @@ class Layers:
         return self.loaded[span]
 
 
-def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=lambda stage: 0,
-          dtype: str = "float32"):
-    """Three stages (the middle one with `fault`) serving `dtype`, an entry node connected to all, and its
-    auditor, whose evidence is kept in `auditor.sent` and passes in `auditor.vouched` instead of going to a
-    coordinator."""
+def checked_on(steps) -> Callable[[str], dict[int, int]]:
+    """A swarm's standing: every layer of each stage checked on `steps` steps (or `steps(stage)`)."""
+    return lambda stage: dict.fromkeys(range(8), steps(stage) if callable(steps) else steps)
+
+
+def entry_audits(node, folder, seen: Seen, rate: float, standing=0, dtype: str = "float32", **runner) -> Auditor:
+    """An entry's auditor reporting to `seen`; by default it checks every audit itself with its own layers (`here`),
+    else as `runner` says (candidates=..., here=None, last_resort=...)."""
+    options = {"here": Layers(folder, dtype), **runner}
+    auditor = entry_auditor(node, rate, standing=checked_on(standing), reporter=seen, **options)
+    auditor.listen(seen)
+    return auditor.start()
+
+
+def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=0, dtype: str = "float32",
+          **runner):
+    """Three stages (the middle one with `fault`) serving `dtype`, an entry node connected to all, its auditor
+    (see `entry_audits`) and what that auditor told (`Seen`)."""
     stages = mesh(3, members=False)
     servers = [StageServer(node, SpanRuntime(folder, Span(a, b), dtype=dtype, device="cpu"),
                            fault=fault if i == 1 else None).start()
@@ -84,17 +99,12 @@ def swarm(mesh, folder, fault: Fault | None = None, rate: float = 1.0, standing=
         entry_node.connect(node.addrs[0])
     for a, b in zip(stages, stages[1:]):
         a.connect(b.addrs[0])
-    caught: dict[str, str] = {}
-    sent: list = []
-    vouched: list = []
-    auditor = Auditor(entry_node, Layers(folder, dtype), rate, on_caught=caught.__setitem__, report=sent.append,
-                      standing=standing, vouch=lambda session, commit: vouched.append((session, commit))).start()
-    auditor.sent, auditor.vouched = sent, vouched
-    auditor.caught = caught
+    seen = Seen()
+    auditor = entry_audits(entry_node, folder, seen, rate, standing, dtype, **runner)
     route = tuple(Stage(node=node.peer_id, span=Span(a, b)) for node, (a, b) in zip(stages, SPLITS))
     pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), EntryModel(folder, "float32", "cpu"), route,
                           auditor=auditor)
-    return pipe, auditor, stages, servers
+    return pipe, auditor, stages, servers, seen
 
 
 def run(pipe, prompt, n=8, **forward) -> tuple[str, list[int]]:
@@ -107,7 +117,7 @@ def run(pipe, prompt, n=8, **forward) -> tuple[str, list[int]]:
 
 
 def test_an_honest_swarm_passes_every_audit_plain_micro_batched_and_speculative(mesh, tiny_llama, tmp_path):
-    pipe, auditor, _, servers = swarm(mesh, tiny_llama)
+    pipe, auditor, _, servers, seen = swarm(mesh, tiny_llama)
     sessions = []
     for prompt in PROMPTS:
         session, tokens = run(pipe, prompt, micro_batches=2)
@@ -126,11 +136,11 @@ def test_an_honest_swarm_passes_every_audit_plain_micro_batched_and_speculative(
                                    max_length=256, max_in_flight=in_flight)
         pipe.close_session(session)
         assert got.tokens == reference_greedy(tiny_llama, list(PROMPTS[1]), 12)
-    assert auditor.settle(sessions) == set(), auditor.caught
+    assert auditor.settle(sessions) == set(), seen.caught
     c = auditor.counts
     # every step drawn (rate 1), and one audit a stage a session, up to its last step: each checks them all
     assert c.run == 3 * len(sessions) and c.passed == c.run and c.failed == c.refused == 0, c
-    assert auditor.sent == [] and auditor.caught == {}
+    assert seen.sent == [] and seen.caught == {}
     assert all(s.reveals > 0 for s in servers)
 
 
@@ -138,12 +148,12 @@ def test_an_honest_swarm_passes_every_audit_plain_micro_batched_and_speculative(
 def test_a_dishonest_stage_is_caught_and_the_evidence_convinces_a_third_party(mesh, tiny_llama, mode):
     name, _, fraction = mode.partition("@")
     fault = Fault(name, float(fraction or 1), _token_direction(tiny_llama, 64) if name == "bias" else None)
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, fault)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, fault)
     cheat = stages[1].peer_id
     sessions = [run(pipe, prompt, 12)[0] for prompt in PROMPTS]
     assert auditor.settle(sessions) == {cheat}
-    assert auditor.counts.failed >= 1 and set(auditor.caught) == {cheat}
-    evidence = auditor.sent[0]
+    assert auditor.counts.failed >= 1 and set(seen.caught) == {cheat}
+    evidence = seen.sent[0]
     assert evidence.accused == cheat and evidence.kind == "wrong"
     verdict = judge(evidence, Layers(tiny_llama))
     assert verdict.upheld and verdict.excluded == cheat and "recomputation" in verdict.reason
@@ -153,11 +163,11 @@ def test_a_steady_nudge_under_the_per_token_tolerance_is_caught_by_its_direction
     """bfloat16's per-token tolerance is 5% (its honest rounding reaches ~1e-2): a stage nudging every token 2.5%
     the same way passed every audit. Added up over an audit's tokens, the nudge stands out of the rounding."""
     fault = Fault("bias", 1.0, _token_direction(tiny_llama, 64), scale=0.025)
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, fault, dtype="bfloat16")
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, fault, dtype="bfloat16")
     cheat = stages[1].peer_id
     sessions = [run(pipe, prompt, 12)[0] for prompt in PROMPTS]
     assert auditor.settle(sessions) == {cheat}
-    evidence = auditor.sent[0]
+    evidence = seen.sent[0]
     assert evidence.accused == cheat and evidence.kind == "wrong"
     verdict = judge(evidence, Layers(tiny_llama, "bfloat16"))
     assert verdict.upheld and verdict.excluded == cheat and "drift" in verdict.reason
@@ -167,7 +177,7 @@ def test_honest_bfloat16_stages_batched_with_other_sessions_are_never_accused(me
     """Honest rounding differs between a stage's batched pass and the audit's replay alone; neither a token's
     error nor the direction test may take it for a lie: sessions at once (so batches form), plain and
     speculative, every step audited."""
-    pipe, auditor, _, _ = swarm(mesh, tiny_llama, dtype="bfloat16")
+    pipe, auditor, _, _, seen = swarm(mesh, tiny_llama, dtype="bfloat16")
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 257) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
     sessions: list[str] = []
@@ -183,8 +193,8 @@ def test_honest_bfloat16_stages_batched_with_other_sessions_are_never_accused(me
     pipe.close_session(session)
     for t in threads:
         t.join(120)
-    assert len(sessions) == 9 and auditor.settle(sessions) == set(), auditor.caught
-    assert auditor.sent == [] and auditor.counts.passed == 3 * len(sessions)
+    assert len(sessions) == 9 and auditor.settle(sessions) == set(), seen.caught
+    assert seen.sent == [] and auditor.counts.passed == 3 * len(sessions)
 
 
 @pytest.mark.parametrize("mode", ["identity", "noise@0.5", "bias"])
@@ -193,10 +203,10 @@ def test_a_newcomer_that_lies_is_caught_in_its_first_generation_at_the_default_r
     returns; at the default per-step rate (which alone caught a liar only by the 4th generation or later)."""
     name, _, fraction = mode.partition("@")
     fault = Fault(name, float(fraction or 1), _token_direction(tiny_llama, 64) if name == "bias" else None)
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, fault, rate=DEFAULT_RATE)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, fault, rate=DEFAULT_RATE)
     session, _ = run(pipe, PROMPTS[1], 12)
     assert auditor.settle([session]) == {stages[1].peer_id}
-    assert auditor.sent[0].accused == stages[1].peer_id and auditor.sent[0].kind == "wrong"
+    assert seen.sent[0].accused == stages[1].peer_id and seen.sent[0].kind == "wrong"
 
 
 @pytest.mark.parametrize("mode", ["noise@0.3"])  # (nobody recomputes: how it lies changes nothing here)
@@ -206,35 +216,39 @@ def test_a_newcomer_nobody_can_check_has_its_tokens_taken_back_not_shown(mesh, t
     routes avoid it, though it is neither banned nor accused: nothing proves it lied."""
     name, _, fraction = mode.partition("@")
     fault = Fault(name, float(fraction or 1), _token_direction(tiny_llama, 64) if name == "bias" else None)
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, fault, rate=DEFAULT_RATE)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, fault, rate=DEFAULT_RATE, here=None)  # nobody checks
     newcomer = stages[1].peer_id
-    auditor.standing = lambda stage: 0 if stage == newcomer else 2 * PROBATION_PASSES  # the others established
-    auditor.runtime_for, auditor.auditors = None, lambda span, stage: []  # nobody can hold its layers
-    unverified: list[str] = []
-    auditor.on_unverified = lambda peer, why: unverified.append(peer)
+    auditor.book.standing = checked_on(lambda stage: 0 if stage == newcomer else 2 * PROBATION_STEPS)
     session, _ = run(pipe, PROMPTS[1], 12)
     assert auditor.settle([session]) == {newcomer}
-    assert unverified == [newcomer] and auditor.counts.unchecked >= 1 and auditor.counts.failed == 0
-    assert auditor.sent == [] and auditor.caught == {} and not pipe.node.bans.is_banned(newcomer)
+    assert seen.unverified == [newcomer] and auditor.counts.unchecked >= 1 and auditor.counts.failed == 0
+    assert seen.sent == [] and seen.caught == {} and not pipe.node.bans.is_banned(newcomer)
 
 
 def test_honest_newcomers_pass_probation_then_are_audited_less_and_the_swarms_standing_counts(mesh, tiny_llama):
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
-    auditor.rng = random.Random(7)  # (the draws, fixed: the counts below are exact, not likely)
-    for n in range(1, PROBATION_PASSES + 1):  # every session of every stage audited whole
-        session, _ = run(pipe, PROMPTS[n % 2], 6)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, rate=DEFAULT_RATE, rng=random.Random(7))
+    # (the draws, fixed: the counts below are exact, not likely)
+    sessions_needed = -(-PROBATION_STEPS // 16)  # 16 steps a session: every session of every stage audited whole
+    for n in range(1, sessions_needed + 1):
+        assert all(auditor.on_probation(s.node, s.span) for s in pipe.route)
+        session, _ = run(pipe, PROMPTS[n % 2], 16)
         assert auditor.settle([session]) == set()
-        assert auditor.counts.passed >= 3 * n and auditor.counts.failed == 0
-    assert all(auditor.passed[s.peer_id] >= PROBATION_PASSES for s in stages)
-    # each pass went to the coordinator with the stage's own signed word on the entry's session
-    assert all(commitments.verify(commit, pipe.node.peer_id, session) for session, commit in auditor.vouched)
+        assert auditor.counts.passed == 3 * n and auditor.counts.failed == 0
+        assert auditor.counts.layers_checked == 8 * n  # every layer of the three spans
+    assert not any(auditor.on_probation(s.node, s.span) for s in pipe.route)
+    # each pass went to the coordinator with the stage's own signed word on the entry's session, every layer of
+    # its span checked on all 16 steps
+    assert all(commitments.verify(commit, pipe.node.peer_id, session) and layers == (commit.span,) and steps == 16
+               for session, commit, layers, steps in seen.vouched)
     before = auditor.counts.run
     sessions = [run(pipe, PROMPTS[n % 2], 6)[0] for n in range(10)]
     assert auditor.settle(sessions) == set()
     # 30 were they still on probation; each pass now halves the chance of the next (about 3 each in 10 sessions)
     assert auditor.counts.run - before <= 15
-    # a new entry, told by the swarm (the plan's standings) that the stages passed many audits: no probation
-    pipe, auditor, _, _ = swarm(mesh, tiny_llama, rate=1e-9, standing=lambda stage: 100)
+    # a new entry, told by the swarm (the plan's standings) that the stages' layers were checked on many steps: no
+    # probation, and a whole audit as rare as the per-step rate
+    pipe, auditor, _, _, seen = swarm(mesh, tiny_llama, rate=1e-9, standing=PUBLISHED_UP_TO, rng=random.Random(7))
+    assert not any(auditor.on_probation(s.node, s.span) for s in pipe.route)
     assert auditor.settle([run(pipe, PROMPTS[0], 6)[0]]) == set() and auditor.counts.run == 0
 
 
@@ -254,18 +268,22 @@ def test_an_entry_without_layers_audits_through_peers_and_a_lax_auditor_is_caugh
     """The entry recomputes nothing: it commissions peer auditors. The first, lax, passes the noisy newcomer without
     checking; probation has a second auditor check it, which catches the stage; the lax auditor's signed pass is
     then evidence against it. A third party upholds both."""
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, Fault("noise"), rate=DEFAULT_RATE)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, Fault("noise"), rate=DEFAULT_RATE)
     lax, honest = peer_auditors(mesh, tiny_llama, stages, pipe.node, 2)
     lax.lax = True
-    auditor.runtime_for = None  # as `chat` and `serve` by default: no span loaded here
-    auditor.auditors = lambda span, stage: [[lax.node.peer_id], [honest.node.peer_id]]  # the lax one drawn first
+    auditor.runner.here = None  # as `chat` and `serve` by default: no span loaded here
+    # the lax one drawn first (it serves every layer; the honest one, a spare, loads what it checks)
+    auditor.runner.candidates = lambda stage: Candidates({lax.node.peer_id: Span(0, 8)}, (honest.node.peer_id,))
+    observed: list = []
+    observe = auditor.observe
+    auditor.observe = lambda session, commits: (observed.extend(commits), observe(session, commits))
     cheat = stages[1].peer_id
     session, _ = run(pipe, PROMPTS[1], 12)
     assert auditor.settle([session]) == {cheat}
     assert auditor.counts.failed == 1 and auditor.counts.auditors_caught == 1 and auditor.counts.unchecked == 0
     assert lax.audits >= 1 and honest.audits >= 1  # the honest stages were audited by peers too, and passed
     assert auditor.counts.passed >= 2
-    against = {ev.accused: ev for ev in auditor.sent}
+    against = {ev.accused: ev for ev in seen.sent}
     assert against[cheat].accuser == honest.node.peer_id and against[cheat].session_entry == pipe.node.peer_id
     upheld = judge(against[cheat], Layers(tiny_llama))
     assert upheld.upheld and upheld.excluded == cheat
@@ -275,9 +293,104 @@ def test_an_entry_without_layers_audits_through_peers_and_a_lax_auditor_is_caugh
     assert verdict.upheld and verdict.excluded == lax.node.peer_id and "false_pass" in verdict.reason
     # the same pass against an honest stage's commitments convicts its accuser instead
     honest_stage = stages[0].peer_id
-    honest_commits = tuple(auditor._commits.get(session, {}).get(honest_stage, ()))
+    honest_commits = tuple(c for c in observed if c.stage == honest_stage)
     wrongly = msgspec.structs.replace(false_pass, commits=honest_commits)
     assert judge(sign_evidence(pipe.node.identity.key_pair, wrongly), Layers(tiny_llama)).excluded == pipe.node.peer_id
+
+
+def holding(runtime: SpanRuntime) -> Callable[[Span], SpanRuntime]:
+    """A member's audit layers: those it serves, as a view of any piece of them; nothing else fits."""
+    def runtime_for(piece: Span) -> SpanRuntime:
+        if not (runtime.span.start <= piece.start and piece.end <= runtime.span.end):
+            raise MemoryError(f"layers {piece} do not fit beside {runtime.span}")
+        return runtime.view(piece)
+    return runtime_for
+
+
+def whole_model_newcomer(mesh, folder, fault: Fault | None, dtype: str = "float32", spot_here: bool = False):
+    """The case nobody could check before: a newcomer serving every layer (no member can load them all), beside
+    members serving pieces (SPLITS), each auditing with the layers it serves; the entry loads none (`spot_here`:
+    it checks a piece nobody else can, the last resort)."""
+    (newcomer,) = mesh(1, members=False)
+    server = StageServer(newcomer, SpanRuntime(folder, Span(0, 8), dtype=dtype, device="cpu"), fault=fault).start()
+    (entry_node,) = mesh(1, members=False, bootstrap=[])
+    entry_node.connect(newcomer.addrs[0])
+    members = {}
+    for node in mesh(len(SPLITS), members=False, bootstrap=[]):
+        span = Span(*SPLITS[len(members)])
+        PeerAuditService(node, holding(SpanRuntime(folder, span, dtype=dtype, device="cpu"))).start()
+        for peer in (newcomer, entry_node):
+            node.connect(peer.addrs[0])
+        members[node.peer_id] = span
+    seen = Seen()
+    auditor = entry_audits(entry_node, folder, seen, DEFAULT_RATE, dtype=dtype, here=None,
+                           last_resort=Layers(folder, dtype) if spot_here else None,
+                           candidates=lambda stage: Candidates(members))
+    route = (Stage(node=newcomer.peer_id, span=Span(0, 8)),)
+    pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), EntryModel(folder, "float32", "cpu"), route,
+                          auditor=auditor)
+    return pipe, auditor, server, seen
+
+
+@pytest.mark.parametrize("mode", ["noise@0.3", "identity", "bias"])
+def test_a_whole_model_newcomer_is_checked_layer_by_layer_by_members_serving_pieces_and_caught(mesh, tiny_llama,
+                                                                                                mode):
+    """Its audits came back "unchecked" and its tokens reached the user. Now it signs its layer boundaries and each
+    piece is checked by a member serving it: caught in its first generation, whichever way it lies, and the
+    evidence (one piece's reveal, the signed boundaries) convinces a third party holding only that piece."""
+    name, _, fraction = mode.partition("@")
+    fault = Fault(name, float(fraction or 1), _token_direction(tiny_llama, 64) if name == "bias" else None)
+    pipe, auditor, server, seen = whole_model_newcomer(mesh, tiny_llama, fault)
+    session, _ = run(pipe, PROMPTS[1], 12)
+    assert auditor.settle([session]) == {server.node.peer_id}
+    assert auditor.counts.failed == 1 and auditor.counts.unchecked == 0 and not seen.unverified
+    evidence = seen.sent[0]
+    assert evidence.accused == server.node.peer_id and evidence.kind in ("wrong", "contradiction"), evidence.detail
+    if evidence.kind == "wrong":
+        assert evidence.piece is not None and evidence.boundaries is not None and len(evidence.piece) < 8
+        only_piece = Layers(tiny_llama)
+        verdict = judge(evidence, only_piece)
+        assert verdict.upheld and verdict.excluded == server.node.peer_id, verdict.reason
+        assert set(only_piece.loaded) == {evidence.piece}  # it recomputed that piece, nothing more
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_honest_whole_model_newcomer_passes_every_layer_by_pieces_and_earns_its_standing(mesh, tiny_llama, dtype,
+                                                                                            tmp_path):
+    """Honest, batched with other sessions and speculating: every piece within its tolerance and the pieces within
+    the span's together; no accusation, its tokens stand, and every layer counts the steps it was checked on."""
+    pipe, auditor, server, seen = whole_model_newcomer(mesh, tiny_llama, None, dtype)
+    sessions: list[str] = []
+    threads = [threading.Thread(target=lambda p=p: sessions.append(run(pipe, p, 12)[0])) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    draft = DraftModel(str(write_tiny_checkpoint(tmp_path / "draft", "llama", num_layers=1, seed=5)),
+                       pipe.entry.config.vocab_size)
+    session = pipe.open(256)
+    sessions.append(session)
+    got = speculative_generate(SessionSteps(pipe, session), draft, list(PROMPTS[1]), 12, SamplingParams(),
+                               Tuner(in_flight=3), max_length=256, max_in_flight=3)
+    pipe.close_session(session)
+    if dtype == "float32":
+        assert got.tokens == reference_greedy(tiny_llama, list(PROMPTS[1]), 12)
+    assert len(sessions) == 3 and auditor.settle(sessions) == set(), seen.caught
+    assert seen.sent == [] and auditor.counts.passed == 3 and auditor.counts.layers_checked == 3 * 8
+    assert {layers for _, _, layers, _ in seen.vouched} == {tuple(Span(*s) for s in SPLITS)}
+    assert auditor.book.checks(server.node.peer_id, Span(0, 8)) == sum(steps for *_, steps in seen.vouched)
+
+
+def test_a_piece_nobody_serves_is_spot_checked_by_the_entry_as_a_last_resort(mesh, tiny_llama):
+    """Members serve layers 0-5 only: layers 5-8 go to the entry's own layers, one at a time (the last resort);
+    a liar in them is caught all the same."""
+    pipe, auditor, server, seen = whole_model_newcomer(mesh, tiny_llama, Fault("noise"), spot_here=True)
+    everyone = auditor.runner.candidates
+    auditor.runner.candidates = lambda stage: Candidates({p: s for p, s in everyone(stage).serving.items()
+                                                          if s.end <= 5})
+    session, _ = run(pipe, PROMPTS[0], 6)
+    assert auditor.settle([session]) == {server.node.peer_id}
+    assert seen.sent[0].piece == Span(7, 8) and seen.sent[0].accuser == pipe.node.peer_id
 
 
 class AccusingAuditor(PeerAuditService):
@@ -298,22 +411,20 @@ class AccusingAuditor(PeerAuditService):
 def test_an_auditor_that_accuses_honest_stages_is_convicted_and_they_are_cleared_at_the_entry(mesh, tiny_llama):
     """The accusations act at once (the stages are caught here); the verdict on each finds it false, convicts the
     auditor, and clears the stage at the entry: not caught, so its tokens stand and its receipts are given."""
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
     (liar,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1, kind=AccusingAuditor)
-    auditor.runtime_for = None
-    auditor.auditors = lambda span, stage: [[liar.node.peer_id]]
-    cleared: dict[str, str] = {}
-    auditor.on_cleared = cleared.__setitem__
+    auditor.runner.here = None
+    auditor.runner.candidates = lambda stage: Candidates(spares=(liar.node.peer_id,))
 
     def coordinator(evidence: Evidence) -> Verdict:  # what the coordinator answers: `judge`'s verdict
         judged = judge(evidence, Layers(tiny_llama))
         return Verdict(excluded=judged.excluded, reason=judged.reason[:500])
 
-    auditor._report = coordinator
+    seen.verdict = coordinator
     session, tokens = run(pipe, PROMPTS[1], 8)
     assert tokens == reference_greedy(tiny_llama, PROMPTS[1], 8)
     assert auditor.settle([session]) == set()  # newcomers, each audited whole, each accused, each cleared
-    assert set(cleared) == {s.peer_id for s in stages} and "false accusation" in next(iter(cleared.values()))
+    assert set(seen.cleared) == {s.peer_id for s in stages} and "false accusation" in next(iter(seen.cleared.values()))
     assert [v.excluded for v in auditor.verdicts] == [liar.node.peer_id] * 3
     assert pipe.node.bans.is_banned(liar.node.peer_id) and auditor.counts.auditors_caught == 3
 
@@ -322,18 +433,18 @@ def test_an_auditor_that_cannot_reach_the_stage_leaves_the_audit_to_another_and_
     """A contributor drawn as auditor as it joins, before its view brought it the stages' addresses, cannot reach
     them: no refusal of theirs (it was taken for one: the stages were caught, their tokens taken back, the route
     left with no stage to serve it). It says it cannot, and the next auditor checks them."""
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
     (newcomer_node,) = mesh(1, members=False, bootstrap=[])
     newcomer_node.connect(pipe.node.addrs[0])  # it knows the entry that commissions it, none of the stages
     newcomer = PeerAuditService(newcomer_node, Layers(tiny_llama))
     newcomer.start()
     (honest,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1)
-    auditor.runtime_for = None
-    auditor.auditors = lambda span, stage: [[newcomer.node.peer_id], [honest.node.peer_id]]
+    auditor.runner.here = None  # the newcomer drawn first
+    auditor.runner.candidates = lambda stage: Candidates({newcomer.node.peer_id: Span(0, 8)}, (honest.node.peer_id,))
     session, tokens = run(pipe, PROMPTS[1], 8)
     assert tokens == reference_greedy(tiny_llama, PROMPTS[1], 8)
-    assert auditor.settle([session]) == set(), auditor.caught
-    assert auditor.counts.refused == 0 and auditor.sent == [] and newcomer.audits >= 1
+    assert auditor.settle([session]) == set(), seen.caught
+    assert auditor.counts.refused == 0 and seen.sent == [] and newcomer.audits >= 1
     assert honest.audits >= 3  # the three newcomers on probation, each audited whole
 
 
@@ -354,12 +465,12 @@ def test_a_refusal_the_coordinator_finds_unfounded_clears_the_stage_at_the_entry
     """A peer auditor reports a refusal; the coordinator asks the stage itself, which reveals, and its work checks
     out: nobody is excluded (the auditor may have lost its link). The entry clears the stage: its tokens stand
     (they were taken back, and the stage kept failing the route's steps with the old reason)."""
-    pipe, auditor, stages, servers = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
+    pipe, auditor, stages, servers, seen = swarm(mesh, tiny_llama, rate=DEFAULT_RATE)
     (lost,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1, kind=LinkLostAuditor)
     judge_node = lost.node  # connected to every stage; plays the coordinator
 
-    def ask(stage, entry, session, step):
-        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry),
+    def ask(stage, entry, session, step, piece=None):
+        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry, piece=piece),
                                   reply_decoder(Revealed, limit=judge_node.config.max_tensor_bytes))
 
     def coordinator(evidence: Evidence) -> Verdict:
@@ -367,15 +478,13 @@ def test_a_refusal_the_coordinator_finds_unfounded_clears_the_stage_at_the_entry
         return Verdict(excluded=judged.excluded, reason=judged.reason[:500])
 
     for server in servers:
-        server.coordinator = lambda: judge_node.peer_id
-    auditor.runtime_for = None
-    auditor.auditors = lambda span, stage: [[lost.node.peer_id]]
-    cleared: dict[str, str] = {}
-    auditor.on_cleared = cleared.__setitem__
-    auditor._report = coordinator
+        server.chain.coordinator = lambda: judge_node.peer_id
+    auditor.runner.here = None
+    auditor.runner.candidates = lambda stage: Candidates(spares=(lost.node.peer_id,))
+    seen.verdict = coordinator
     session, tokens = run(pipe, PROMPTS[1], 8)
-    assert auditor.settle([session]) == set(), auditor.caught
-    assert set(cleared) == {s.peer_id for s in stages} and "checks out" in next(iter(cleared.values()))
+    assert auditor.settle([session]) == set(), seen.caught
+    assert set(seen.cleared) == {s.peer_id for s in stages} and "checks out" in next(iter(seen.cleared.values()))
     assert [v.excluded for v in auditor.verdicts] == [""] * 3 and auditor.counts.auditors_caught == 0
     assert not pipe.node.bans.is_banned(lost.node.peer_id)
     session, again = run(pipe, PROMPTS[1], 8)  # the route serves on, through the stages cleared
@@ -388,7 +497,7 @@ def test_a_stage_that_died_mid_session_is_blamed_for_no_reveal_only_on_probation
     and cannot reveal it is left unchecked, not caught, so the text already shown stands. A stage on probation
     is caught: its tokens were held back, and are taken back."""
     standing = 0 if on_probation else 100
-    pipe, auditor, stages, servers = swarm(mesh, tiny_llama, rate=1.0, standing=lambda stage: standing)
+    pipe, auditor, stages, servers, seen = swarm(mesh, tiny_llama, rate=1.0, standing=standing)
     session = pipe.open(64)
     generate(lambda t, s: pipe.forward(session, t, s), list(PROMPTS[0]), 4, SamplingParams())
     dead = stages[1].peer_id
@@ -402,7 +511,7 @@ def test_a_stage_that_died_mid_session_is_blamed_for_no_reveal_only_on_probation
 
 
 def test_a_stage_reveals_to_an_auditor_only_with_its_entrys_signed_commission(mesh, tiny_llama):
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=0.0)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, rate=0.0)
     (service,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1)
     session, _ = run(pipe, PROMPTS[0], 4)
     stage = stages[1].peer_id
@@ -423,7 +532,7 @@ def test_a_stage_reveals_to_an_auditor_only_with_its_entrys_signed_commission(me
 
 
 def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny_llama):
-    pipe, auditor, stages, _ = swarm(mesh, tiny_llama, rate=0.0)
+    pipe, auditor, stages, _, seen = swarm(mesh, tiny_llama, rate=0.0)
     honest = stages[1].peer_id
     commits: list = []
     auditor.observe = lambda session, step_commits: commits.extend(c for c in step_commits if c.stage == honest)
@@ -457,25 +566,25 @@ def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny
 def test_a_refusal_is_judged_by_asking_the_stage_again(mesh, tiny_llama):
     """A stage that refuses its entry's reveal is excluded if it refuses the coordinator too; one that answers
     the coordinator is judged on its answer (the entry may just have lost its link), and nobody else may ask."""
-    pipe, auditor, stages, servers = swarm(mesh, tiny_llama)
+    pipe, auditor, stages, servers, seen = swarm(mesh, tiny_llama)
     refuser, judge_node = stages[1], stages[2]  # the last stage plays the coordinator
-    servers[1].coordinator = lambda: judge_node.peer_id
+    servers[1].chain.coordinator = lambda: judge_node.peer_id
     servers[1].step_log.max_bytes = 0  # keeps nothing: every reveal refused
     session, _ = run(pipe, list(PROMPTS[0]), 6)
     assert auditor.settle([session]) == {refuser.peer_id} and auditor.counts.refused >= 1
-    evidence = next(e for e in auditor.sent if e.kind == "refused")
+    evidence = next(e for e in seen.sent if e.kind == "refused")
     assert evidence.accused == refuser.peer_id
 
-    def ask(stage, entry, session, step):
-        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry),
+    def ask(stage, entry, session, step, piece=None):
+        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry, piece=piece),
                                   reply_decoder(Revealed, limit=judge_node.config.max_tensor_bytes))
 
     verdict = judge(evidence, Layers(tiny_llama), ask_reveal=ask)
     assert verdict.upheld and verdict.excluded == refuser.peer_id and "refused" in verdict.reason
     # the same stage keeping its steps again: it answers the coordinator, and nobody is excluded
     servers[1].step_log.max_bytes = 1 << 30
-    auditor.caught.clear()
-    auditor.rate = 0.0
+    seen.caught.clear()
+    auditor.book.rate = 0.0
     commits: list = []
     auditor.observe = lambda _, step_commits: commits.extend(c for c in step_commits if c.stage == refuser.peer_id)
     session, _ = run(pipe, list(PROMPTS[1]), 6)
@@ -493,7 +602,7 @@ def test_a_refusal_is_judged_by_asking_the_stage_again(mesh, tiny_llama):
 def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh, tiny_llama):
     """Only the previous hop may send a session's steps, and its commitment must come with them: a stage
     that lets an uncommitted step through would sign for it and take the blame."""
-    pipe, _, stages, _ = swarm(mesh, tiny_llama, rate=0.0)
+    pipe, _, stages, _, seen = swarm(mesh, tiny_llama, rate=0.0)
     entry, liar, session = pipe.node, stages[0], "s1"
     entry.request(stages[1].peer_id, ids.SESSION, Open(session=session, max_length=16, prev=liar.peer_id,
                                                       span=Span(3, 5)), reply_decoder(Opened))

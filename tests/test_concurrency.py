@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from beeswarm.audit.auditor import Auditor
+from beeswarm.audit.auditor import entry_auditor
 from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
@@ -73,7 +73,7 @@ class ComputeBound(SpanRuntime):
 def tinycode_swarm():
     from beeswarm.p2p import identity
     from beeswarm.p2p.node import Node, NodeConfig
-    from helpers import LOCAL
+    from helpers import LOCAL, Seen
 
     folder = checkpoint.resolve("tinycode")
     entry = EntryModel(folder, dtype="float32", device="cpu")
@@ -94,12 +94,12 @@ def tinycode_swarm():
     # every step audited, recomputed here: what a stage applies for a cancelled step, its reveal and the replay
     # must apply too, or honest stages get accused
     layers = {span: SpanRuntime(folder, span, dtype="float32", device="cpu") for span in spans}
-    caught: dict[str, str] = {}
-    auditor = Auditor(entry_node, layers.__getitem__, 1.0, on_caught=caught.__setitem__,
-                      report=lambda evidence: None, vouch=lambda session, commit: None).start()
-    auditor.caught_here = caught
+    seen = Seen()
+    auditor = entry_auditor(entry_node, 1.0, here=layers.__getitem__, reporter=seen)
+    auditor.listen(seen)
+    auditor.start()
     pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), entry, route, auditor=auditor)
-    yield pipe, folder, servers
+    yield pipe, folder, servers, seen
     pipe.close()
     for server in servers:
         server.stop()
@@ -154,7 +154,7 @@ def test_concurrent_speculative_users_each_get_plain_greedy(tinycode_swarm, in_f
     """Eight users speculate at once through one compute-bound swarm, round after round: every generation is
     transformers' greedy continuation, token for token. Pipelined, misses cancel steps queued at the stages."""
     from helpers import reference_greedy
-    pipe, folder, servers = tinycode_swarm
+    pipe, folder, servers, seen = tinycode_swarm
     drafts = [DraftModel("tinycode-draft", 2048) for _ in range(USERS)]
     sessions: list[str] = []
     for rounds in range(min(in_flight, 2)):  # (pipelined, where cancels land on queued steps: two rounds)
@@ -170,7 +170,7 @@ def test_concurrent_speculative_users_each_get_plain_greedy(tinycode_swarm, in_f
 def assert_audits_pass(pipe: RemotePipeline, sessions: list[str]) -> None:
     """Every stage's reveal of each session, replayed, matches what it committed to: nobody accused."""
     auditor = pipe.auditor
-    assert auditor.settle(sessions, timeout=120) == set(), auditor.caught_here
+    assert auditor.settle(sessions, timeout=120) == set()
     assert auditor.counts.failed == auditor.counts.refused == 0 and auditor.counts.passed > 0
 
 
@@ -178,7 +178,7 @@ def assert_audits_pass(pipe: RemotePipeline, sessions: list[str]) -> None:
 def test_concurrent_sampling_users_each_get_the_plain_answer_of_their_seed(tinycode_swarm):
     """Sampling at a fixed seed: each user's tokens, speculated in a crowd with steps pipelined and cancelled, equal
     the same seed's plain token-by-token sampling through the same stages alone."""
-    pipe, _, _ = tinycode_swarm
+    pipe, _, _, _ = tinycode_swarm
     params = SamplingParams(temperature=0.8, top_p=0.95)
     seeds = list(range(100, 100 + USERS))
     alone = []
@@ -197,7 +197,7 @@ def test_a_cancelled_step_queued_at_a_stage_keeps_the_cache_edits_it_carried(tin
     """A step that compacts the KV (its keep) is cancelled while it waits behind another session's step: the stage
     computes nothing for it but still applies its keep, so the cancelling step runs on exactly the cache the entry
     assumed, and its logits are those of the committed sequence run plainly."""
-    pipe, folder, servers = tinycode_swarm
+    pipe, folder, servers, seen = tinycode_swarm
     first, gate = servers[0], servers[0].runtime_gate
     prompt = prompts()[3]
     n = len(prompt)
@@ -238,7 +238,7 @@ def test_a_cancelled_step_queued_at_a_stage_keeps_the_cache_edits_it_carried(tin
 def test_a_long_pass_never_holds_up_session_opens_or_a_plan_change(tinycode_swarm):
     """While a stage's layers run a long pass (a big prefill, an audit's replay), a new user's session still opens,
     and a plan change (in the node's loop) still goes through: neither waits for the layers."""
-    pipe, _, servers = tinycode_swarm
+    pipe, _, servers, _ = tinycode_swarm
     first, gate = servers[0], servers[0].runtime_gate
     busy = pipe.open(64)
     gate.hold()

@@ -89,33 +89,42 @@ def test_election_failover_and_plans(contributors):
     assert all(n.coord.lease.term > term for n in rest)
 
 
-def test_passed_audits_count_once_ride_in_the_plan_and_outlive_their_coordinator(contributors):
-    """Probation's swarm-wide history: an entry reports a stage's passed audit with the stage's signed word on
-    its session; the coordinator counts each session once, refuses a pass shown by a commitment to another
-    entry's session, publishes the count in its plans, and the next coordinator starts from them."""
+def test_checked_layers_count_once_per_session_ride_in_the_plan_and_outlive_their_coordinator(contributors):
+    """Probation's swarm-wide history: an entry reports the layers and steps of a stage's passed audit with the
+    stage's signed word on its session; the coordinator counts each session once (and no more steps than the stage
+    committed to), refuses a pass shown by a commitment to another entry's session or naming layers the stage does
+    not serve, publishes the counts in its plans as runs of layers, and the next coordinator starts from them."""
     nodes = contributors(3)
     wait_for(lambda: agreed(nodes) and nodes[0].coord.state.epoch >= 1, 8, "a first plan")
     leader, stage, entry = nodes
     credits = reply_decoder(Credited)
 
-    def passed(session: str, signed_for: str) -> int:
+    def passed(session: str, signed_for: str, layers=(), steps=0) -> int:
         unsigned = Commit(stage=stage.peer_id, step=3, span=Span(0, 4), context=bytes(16), input=bytes(16),
                           output=bytes(16), sig=b"")
         commit = commitments.sign(stage.identity.key_pair, signed_for, session, unsigned)
-        return entry.request(leader.peer_id, ids.PASSED, Passed(session=session, commit=commit), credits).passed
+        return entry.request(leader.peer_id, ids.PASSED, Passed(session=session, commit=commit, layers=layers,
+                                                                steps=steps), credits).passed
 
-    assert [passed("s1", entry.peer_id), passed("s1", entry.peer_id)] == [1, 1]  # once per session
+    # every layer, checked on the 4 steps committed to (no more than that counts); then the session's once
+    assert [passed("s1", entry.peer_id, steps=99), passed("s1", entry.peer_id)] == [4, 4]
     with pytest.raises(RemoteError):
         passed("s2", leader.peer_id)  # another entry's session: no pass of this one's
-    assert passed("s2", entry.peer_id) == 2
-    def standing(node) -> int | None:
-        return {s.node: s.passed for s in node.coord.state.standings}.get(stage.peer_id)
+    with pytest.raises(RemoteError):
+        passed("s2", entry.peer_id, layers=(Span(2, 6),))  # layers the stage does not serve
+    assert passed("s2", entry.peer_id, layers=(Span(0, 2),)) == 4  # a piece: its layers only
+    assert leader.coord.ledger.checked[stage.peer_id] == {0: 8, 1: 8, 2: 4, 3: 4}
 
-    wait_for(lambda: all(standing(n) == 2 for n in nodes), 10, "the standing in every node's plan")
+    def standing(node) -> list | None:
+        known = {s.node: s for s in node.coord.state.standings}.get(stage.peer_id)
+        return None if known is None else [(c.span, c.steps) for c in known.checked]
+
+    wait_for(lambda: all(standing(n) == [(Span(0, 2), 8), (Span(2, 4), 4)] for n in nodes), 10,
+             "the standing in every node's plan")
     leader.stop()
     wait_for(lambda: agreed([stage, entry]) and leaders([stage, entry]) != {leader.peer_id}, 10, "a new coordinator")
     successor = stage if stage.coord.is_leader else entry
-    assert successor.coord.ledger.passed[stage.peer_id] == 2
+    assert successor.coord.ledger.checked[stage.peer_id] == {0: 8, 1: 8, 2: 4, 3: 4}
 
 
 def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator(contributors, mesh):

@@ -117,8 +117,8 @@ def test_chat_screen_snapshot(swarm_client, snap_compare):
     blinking one is drawn or not depending on when the screenshot falls (one CI run caught it hidden)."""
     # an earlier reply stopped mid-way has its audits drawn when its session ends and not waited for: let them end
     # first, or one counts after the reset and shows on the screen
-    wait_for(lambda: not any(swarm_client.auditor._pending.values()), 60, "the earlier replies' audits")
-    swarm_client.auditor.counts = AuditCounts()
+    wait_for(lambda: not swarm_client.auditor.book.pending(), 60, "the earlier replies' audits")
+    swarm_client.auditor.book.counts = AuditCounts()
 
     def steady_cursor(pilot) -> None:
         pilot.app.query_one(Input).cursor_blink = False

@@ -116,7 +116,7 @@ class Api:
         stages = [{"peer": s.node, "start": s.span.start, "end": s.span.end,
                    "sessions": view[s.node].sessions if s.node in view else None,
                    "reach": view[s.node].reach if s.node in view else "unknown",
-                   "on_probation": client.auditor is not None and client.auditor.on_probation(s.node)}
+                   "on_probation": client.on_probation(s)}
                   for s in (route.stages if route else ())]
         return JSONResponse({"status": "ok" if route else "no_route", "model": self.completer.model_id,
                              "route": stages, "members": len(view), "plan_epoch": client.coordinator.state.epoch,

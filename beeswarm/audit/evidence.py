@@ -14,13 +14,14 @@ import msgspec
 from libp2p.crypto.keys import KeyPair
 
 from beeswarm import codec
-from beeswarm.audit import commitments
-from beeswarm.audit.replay import first_mismatch
+from beeswarm.audit import commitments, layers
+from beeswarm.audit.replay import compare, tolerance
 from beeswarm.audit.retention import LoggedStep
 from beeswarm.p2p.signatures import sign_bytes, verify_bytes
 from beeswarm.protocol import ProtocolError, Span, encode
 from beeswarm.protocol.audit import (
     AuditVerdict,
+    Boundaries,
     Evidence,
     EvidenceKind,
     Revealed,
@@ -35,8 +36,9 @@ from beeswarm.shard.errors import SessionError, ShardError
 from beeswarm.shard.span import SpanRuntime
 
 RuntimeFor = Callable[[Span], SpanRuntime]  # a span's layers, to recompute with
-# (stage, entry, session, step) -> the stage's reveal of the entry's session, asked by the checker itself
-AskReveal = Callable[[str, str, str, int], Revealed]
+# (stage, entry, session, step, piece) -> the stage's reveal of the entry's session (of layers `piece` only, from
+# the boundaries it signed, when set), asked by the checker itself
+AskReveal = Callable[[str, str, str, int, Span | None], Revealed]
 
 
 class RevealRefused(Exception):
@@ -51,6 +53,16 @@ class CannotRecompute(Exception):
 class Finding:
     kind: EvidenceKind
     detail: str
+
+
+@dataclass(frozen=True)
+class Examined:
+    """What `examine` found wrong (None: nothing), and the largest error per token of the outputs it recomputed as a
+    share of the span's tolerance (the pieces of one audit must fit the span's budget: their shares add up to 1
+    at most)."""
+
+    finding: Finding | None
+    share: float = 0.0
 
 
 def _digests(steps: Sequence[LoggedStep]) -> list[tuple[bytes, bytes, bytes]]:
@@ -82,48 +94,55 @@ def read_reveal(revealed: Revealed, entry: str, max_bytes: int) -> list[LoggedSt
 
 def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_for: RuntimeFor,
             max_bytes: int = codec.DEFAULT_MAX_BYTES, complete: bool = False,
-            unobserved: Collection[int] = ()) -> Finding | None:
-    """What is wrong with a stage's reveal, given its (verified) commitments for the session, or None.
+            unobserved: Collection[int] = (), boundaries: Boundaries | None = None) -> Examined:
+    """What is wrong with a stage's reveal, given its (verified) commitments for the session.
 
     `complete`: `commits` are all the stage's commitments for the session up to the last revealed step
     (the entry holds them all), so a revealed step without one was made up, unless it is one of the
     `unobserved` steps the entry sent and did not wait for (pipelined speculation's cancelled steps). A
     third party cannot know that (the accuser chooses what it hands over), so it only checks the steps it
     has commitments for.
+
+    `boundaries`: the stage's signed boundaries, when `revealed` is a piece of its span (`audit.layers`): the
+    boundaries must end in the commitments, the piece hash to the boundaries, and recompute through the piece's
+    layers alone.
     """
     if not commits:
         raise ValueError("nothing to examine: no commitments")
+    if len({c.span for c in commits}) != 1:
+        raise ValueError("commitments of more than one span")
+    span = commits[0].span
     steps = read_reveal(revealed, entry, max_bytes)
     if not steps or steps[-1].step != max(c.step for c in commits):
         raise RevealRefused("the reveal does not end at the step asked for")
-    by_step = {c.step: c for c in commits}
-    revealed_ids = {s.step for s in steps}
-    for c in commits:
-        if c.step not in revealed_ids:
-            return Finding("contradiction", f"the reveal leaves out step {c.step}, which it signed a commitment for")
-    for s, (ctx, given, sent) in zip(steps, _digests(steps), strict=True):
-        found = by_step.get(s.step)
-        if found is None:
-            if complete and s.step not in unobserved:
-                return Finding("contradiction", f"the reveal has a step {s.step} it never committed to")
-            continue
-        for what, ours, theirs in (("arguments", ctx, found.context), ("input", given, found.input),
-                                   ("output", sent, found.output)):
-            if ours != theirs:
-                return Finding("contradiction", f"step {s.step}: the revealed {what} does not hash to its commitment")
-    if len({c.span for c in commits}) != 1:
-        raise ValueError("commitments of more than one span")
+    piece = revealed.piece or span
+    if boundaries is None:
+        if revealed.piece is not None:
+            raise RevealRefused("a piece was revealed where the whole span was asked for")
+        wrong = layers.contradiction(commits, list(zip((s.step for s in steps), _digests(steps), strict=True)),
+                                     complete, unobserved)
+    else:
+        if boundaries.stage != revealed.stage or boundaries.session != revealed.session or \
+                boundaries.span != span or not layers.boundaries_signed(boundaries, entry):
+            raise ProtocolError("the boundaries are not the stage's own, signed for this session and span")
+        if revealed.piece is None:
+            raise RevealRefused("the whole span was revealed where a piece was asked for")
+        wrong = layers.contradiction(commits, layers.ends_of(boundaries), complete, unobserved) or \
+            layers.piece_contradiction(boundaries, piece, steps)
+    if wrong is not None:
+        return Examined(Finding("contradiction", wrong))
     try:
-        runtime = runtime_for(commits[0].span)
+        runtime = runtime_for(piece)
     except (ShardError, OSError, ValueError, MemoryError) as e:  # not a span of this model, or no room for it here
-        raise CannotRecompute(f"cannot recompute layers {commits[0].span}: {e}") from None
+        raise CannotRecompute(f"cannot recompute layers {piece}: {e}") from None
     try:
-        mismatch = first_mismatch(runtime, steps, set(by_step))
+        found = compare(runtime, steps, {c.step for c in commits}, layers.piece_tolerance(runtime.dtype, piece, span))
     except (SessionError, ProtocolError, codec.CodecError, RuntimeError) as e:  # inputs the span cannot run
-        return Finding("wrong", f"its revealed inputs cannot be run through its span: {e}")
-    if mismatch is not None:
-        return Finding("wrong", str(mismatch))
-    return None
+        return Examined(Finding("wrong", f"its revealed inputs cannot be run through layers {piece}: {e}"))
+    if found.mismatch is not None:
+        return Examined(Finding("wrong", f"layers {piece}: {found.mismatch}" if piece != span else
+                                str(found.mismatch)))
+    return Examined(None, found.error / tolerance(runtime.dtype))
 
 
 def sign_evidence(key_pair: KeyPair, evidence: Evidence) -> Evidence:
@@ -179,16 +198,32 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
         return false("the chain is consistent")
     if ev.kind == "refused":
         return _judge_refusal(ev, runtime_for, max_bytes, ask_reveal, upheld)
+    if ev.kind == "contradiction" and ev.revealed is None and ev.boundaries is not None:
+        b = ev.boundaries  # boundaries that do not end in the stage's own commitments
+        if (b.stage, b.session, b.span) != (ev.accused, ev.session, ev.span) or \
+                not layers.boundaries_signed(b, entry) or any(c.stage != ev.accused for c in ev.commits):
+            return false("the boundaries and commitments are not the accused's")
+        wrong = layers.contradiction(ev.commits, layers.ends_of(b))
+        return upheld(wrong) if wrong else false("its boundaries end in its commitments")
     if ev.revealed is None or ev.revealed.stage != ev.accused or ev.revealed.session != ev.session or \
-            any(c.stage != ev.accused or c.span != ev.span for c in ev.commits):
+            ev.revealed.piece != ev.piece or any(c.stage != ev.accused or c.span != ev.span for c in ev.commits):
         return false("the reveal and commitments are not the accused's")
     try:
-        finding = examine(entry, ev.commits, ev.revealed, runtime_for, max_bytes)
-    except RevealRefused as e:
+        finding = examine(entry, ev.commits, ev.revealed, runtime_for, max_bytes, boundaries=_boundaries(ev)).finding
+    except (RevealRefused, ProtocolError) as e:
         return false(str(e))
     if finding is None:
         return false("its reveal matches its commitments and the recomputation")
     return upheld(finding.detail)
+
+
+def _boundaries(ev: Evidence) -> Boundaries | None:
+    """The accused's boundaries an accusation about a piece of its span stands on (ProtocolError: it has none)."""
+    if ev.piece is None:
+        return None
+    if ev.boundaries is None:
+        raise ProtocolError("an accusation about a piece of a span holds the stage's signed boundaries")
+    return ev.boundaries
 
 
 def _judge_refusal(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int, ask_reveal: AskReveal | None,
@@ -199,8 +234,13 @@ def _judge_refusal(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int, ask_re
         raise ProtocolError("this checker cannot ask for reveals")
     step = max(c.step for c in ev.commits)
     try:
-        revealed = ask_reveal(ev.accused, ev.session_entry, ev.session, step)
-        finding = examine(ev.session_entry, ev.commits, revealed, runtime_for, max_bytes)
+        boundaries = _boundaries(ev)
+    except ProtocolError as e:
+        return Judgement(ev.accuser, f"false accusation against {ev.accused}: {e}", False)
+    try:
+        revealed = ask_reveal(ev.accused, ev.session_entry, ev.session, step, ev.piece)
+        finding = examine(ev.session_entry, ev.commits, revealed, runtime_for, max_bytes,
+                          boundaries=boundaries).finding
     except CannotRecompute:
         raise
     except Exception as e:  # noqa: BLE001 - no answer, a refusal, an unverifiable reveal: all a refusal
@@ -217,14 +257,15 @@ def _judge_pass(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int,
     v = ev.verdict
     if v is None or v.auditor != ev.accused or not verdict_signed(v) or \
             not v.passed or (v.entry, v.session) != (ev.session_entry, ev.session) or \
-            v.commits != commits_digest(ev.commits):
+            v.commits != commits_digest(ev.commits) or v.piece != ev.piece:
         return false("the evidence holds no pass signed by the accused over these commitments")
     if ev.revealed is None or ev.revealed.stage != v.stage or ev.revealed.session != ev.session or \
-            any(c.stage != v.stage or c.span != ev.span for c in ev.commits):
+            ev.revealed.piece != ev.piece or any(c.stage != v.stage or c.span != ev.span for c in ev.commits):
         return false("the reveal and commitments are not those of the stage it passed")
     try:
-        finding = examine(ev.session_entry, ev.commits, ev.revealed, runtime_for, max_bytes)
-    except RevealRefused as e:
+        finding = examine(ev.session_entry, ev.commits, ev.revealed, runtime_for, max_bytes,
+                          boundaries=_boundaries(ev)).finding
+    except (RevealRefused, ProtocolError) as e:
         return false(str(e))
     if finding is None or finding.kind != "wrong":  # only a reveal that matches the commitments proves them wrong
         return false("the commitments it passed recompute as committed")

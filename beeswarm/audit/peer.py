@@ -89,17 +89,21 @@ class PeerAuditService:
         if not commits or any(x.stage != c.stage or x.span != commits[0].span or x.step > c.step for x in commits) \
                 or max(x.step for x in commits) != c.step:
             raise ProtocolError("the commitments are not the stage's, for the session up to the commissioned step")
+        if (c.piece is None) != (ask.boundaries is None) or c.piece is not None and \
+                not commits[0].span.start <= c.piece.start < c.piece.end <= commits[0].span.end:
+            raise ProtocolError("a piece of the stage's span is audited with its boundaries, and only a piece")
         self.audits += 1
         return self._audit(ask)
 
     def _audit(self, ask: AuditAsk) -> Message:
         c, commits = ask.commission, ask.commits
         key, me = self.node.identity.key_pair, self.node.peer_id
+        layers = c.piece or commits[0].span
 
-        def verdict(passed: bool, detail: str = "") -> AuditVerdict:
+        def verdict(passed: bool, detail: str = "", share: float = 0.0) -> AuditVerdict:
             return sign_verdict(key, AuditVerdict(auditor=me, entry=c.entry, stage=c.stage, session=c.session,
                                                   step=c.step, passed=passed, commits=commits_digest(commits),
-                                                  detail=detail[:500]))
+                                                  detail=detail[:500], piece=c.piece, share=share))
 
         def evidence(kind, detail: str, revealed: Revealed | None = None) -> Evidence:
             # The signatures are checked only here: a pass of commitments the stage's own signed reveal matches
@@ -108,27 +112,30 @@ class PeerAuditService:
                 raise ProtocolError("the commitments are not all signed by the stage")
             return sign_evidence(key, Evidence(kind=kind, accused=c.stage, accuser=me, entry=c.entry,
                                                session=c.session, span=commits[0].span, commits=commits,
-                                               revealed=revealed, detail=detail[:500]))
+                                               revealed=revealed, detail=detail[:500], piece=c.piece,
+                                               boundaries=ask.boundaries))
 
         if self.lax:
             return Audited(verdict(True))
         if not self.node.knows(c.stage):  # a newcomer whose view has not brought it the stage yet: not its refusal
             return ErrorReply(error=f"this auditor knows no address for {c.stage} yet", busy=True)
         try:
-            revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c),
+            revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c,
+                                                                    piece=c.piece),
                                          self._reveals, timeout=REVEAL_TIMEOUT_S)
             with torch.inference_mode():
-                finding = examine(c.entry, commits, revealed, self.runtime_for, self.node.config.max_tensor_bytes,
-                                  complete=True, unobserved=frozenset(ask.unobserved))
+                examined = examine(c.entry, commits, revealed, self.runtime_for, self.node.config.max_tensor_bytes,
+                                   complete=True, unobserved=frozenset(ask.unobserved), boundaries=ask.boundaries)
         except CannotRecompute as e:  # not the stage's fault: the entry asks another auditor
-            return ErrorReply(error=f"this auditor cannot recompute layers {commits[0].span}: {e}", busy=True)
+            return ErrorReply(error=f"this auditor cannot recompute layers {layers}: {e}", busy=True)
         except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
             why = f"refused an audit of step {c.step}: {e}"
             log.info("stage %s %s (for %s)", c.stage, why, c.entry)
             return Audited(verdict(False, why), evidence("refused", str(e)))
+        finding = examined.finding
         if finding is None:
             log.debug("stage %s passed an audit of step %d for %s", c.stage, c.step, c.entry)
-            return Audited(verdict(True))
+            return Audited(verdict(True, share=examined.share))
         log.warning("stage %s failed an audit for %s: %s", c.stage, c.entry, finding.detail)
         return Audited(verdict(False, finding.detail), evidence(finding.kind, finding.detail, revealed))
 
@@ -140,7 +147,8 @@ def ask_peer(node: Node, auditor: str, ask: AuditAsk, timeout: float) -> Audited
     answer: Audited = node.request(auditor, ids.PEER_AUDIT, ask, reply_decoder(Audited, limit=limit), timeout=timeout,
                                    limit=limit)
     c, v, ev = ask.commission, answer.verdict, answer.evidence
-    if (v.auditor, v.entry, v.stage, v.session, v.step) != (auditor, c.entry, c.stage, c.session, c.step) or \
+    if (v.auditor, v.entry, v.stage, v.session, v.step, v.piece) != \
+            (auditor, c.entry, c.stage, c.session, c.step, c.piece) or \
             v.commits != commits_digest(ask.commits) or not verdict_signed(v):
         raise ProtocolError(f"auditor {auditor} answered with a verdict that is not its own on this audit")
     if not v.passed and (ev is None or (ev.accused, ev.accuser, ev.session_entry, ev.session) !=

@@ -83,23 +83,36 @@ def replay(runtime: SpanRuntime, steps: Sequence[LoggedStep]) -> list[torch.Tens
     (no tree mask, no kept path, each starting where the last ended: decoding one token at a time) run as one
     pass of up to MERGE_TOKENS tokens, as a prefill of them would: the same attention over the same cache, one
     forward instead of one per token (most of an audit's time was the per-pass overhead)."""
+    return [after[-1] for after in _replay(runtime, steps, trace=False)]
+
+
+def trace(runtime: SpanRuntime, steps: Sequence[LoggedStep]) -> list[list[torch.Tensor]]:
+    """`replay` keeping every layer's output: per step, len(span) tensors on the host (empty ones for a held step),
+    the hidden states at each layer boundary after its input. What an audited stage signs (`Boundaries`)."""
+    return _replay(runtime, steps, trace=True)
+
+
+def _replay(runtime: SpanRuntime, steps: Sequence[LoggedStep], trace: bool) -> list[list[torch.Tensor]]:
     key = f"audit/{os.urandom(8).hex()}"
     max_length = max(s.start + max(s.held, s.input.shape[0]) for s in steps)
     runtime.open(key, min(max_length, runtime.config.max_position_embeddings))
+    layers = len(runtime.span) if trace else 1
     try:
-        outputs: list[torch.Tensor] = []
+        outputs: list[list[torch.Tensor]] = []
         for group in _runs(steps):
             first = group[0]
             if first.keep is not None:
                 runtime.keep(key, first.keep.start, list(first.keep.indices))
             if first.held:  # cancelled at the stage: its keep applied and its positions held, nothing computed
                 runtime.hold(key, first.start, first.held)
-                outputs.append(first.output)
+                outputs.append([first.output] * layers)
                 continue
             mask = tensors.decode_mask(first.mask, first.input.shape[0], first.start)
             hidden = first.input if len(group) == 1 else torch.cat([s.input for s in group])
-            out = runtime.step([StepInput(key, hidden, first.start, mask)])[0].to("cpu")
-            outputs.extend(out.split([s.input.shape[0] for s in group]))
+            x = StepInput(key, hidden, first.start, mask)
+            after = runtime.trace(x) if trace else runtime.step([x])
+            split = [h.to("cpu").split([s.input.shape[0] for s in group]) for h in after]
+            outputs.extend([list(per_layer) for per_layer in zip(*split, strict=True)])
         return outputs
     finally:
         runtime.close(key)
@@ -121,19 +134,28 @@ def _runs(steps: Sequence[LoggedStep]) -> list[list[LoggedStep]]:
     return runs
 
 
-def first_mismatch(runtime: SpanRuntime, steps: Sequence[LoggedStep], checked: set[int]) -> Mismatch | None:
-    """Replay `steps`; the first step among `checked` whose revealed output the recomputation contradicts, else
-    the checked steps' outputs as a whole when they drift one way (`drift`)."""
-    tol = tolerance(runtime.dtype)
-    errors, last = [], 0
+@dataclass(frozen=True)
+class Comparison:
+    mismatch: Mismatch | None
+    error: float  # the largest relative error per token of the steps compared
+
+
+def compare(runtime: SpanRuntime, steps: Sequence[LoggedStep], checked: set[int],
+            tol: float | None = None) -> Comparison:
+    """Replay `steps` and compare the outputs of those among `checked` with the recomputation: the first that differs
+    by more than `tol` (the span's tolerance for its dtype by default) is a mismatch, and so are the checked steps'
+    outputs as a whole when they drift one way (`drift`)."""
+    tol = tolerance(runtime.dtype) if tol is None else tol
+    errors, last, largest = [], 0, 0.0
     for s, out in zip(steps, replay(runtime, steps), strict=True):
         if s.step in checked and not s.held:
             err = relative_error(s.output.to(out.dtype), out)
             if not err <= tol:
-                return Mismatch(s.step, err, tol)
+                return Comparison(Mismatch(s.step, err, tol), err)
+            largest = max(largest, err)
             errors.append(error_vectors(s.output.to(out.dtype), out))
             last = s.step
     mean, z = drift(torch.cat(errors)) if errors else (0.0, 0.0)
     if z > DIRECTION_Z and mean > DRIFT_FRACTION * tol:
-        return Mismatch(last, mean, DRIFT_FRACTION * tol, sum(e.shape[0] for e in errors))
-    return None
+        return Comparison(Mismatch(last, mean, DRIFT_FRACTION * tol, sum(e.shape[0] for e in errors)), largest)
+    return Comparison(None, largest)

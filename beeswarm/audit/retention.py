@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from beeswarm.protocol.spans import Span
 from beeswarm.protocol.step import Keep
 
 RETAIN_S = 600.0
@@ -46,6 +47,7 @@ class _Log:
     steps: list[LoggedStep] = field(default_factory=list)
     nbytes: int = 0
     ended: float | None = None  # when the session ended (None: still open)
+    span: Span | None = None  # the layers its steps ran through
 
 
 class StepLog:
@@ -63,10 +65,12 @@ class StepLog:
     def nbytes(self) -> int:
         return self._bytes
 
-    def record(self, key: str, step: LoggedStep) -> None:
+    def record(self, key: str, step: LoggedStep, span: Span | None = None) -> None:
+        """Keep `step` of session `key` (run through `span`, where it computed anything)."""
         with self._lock:
             log = self._logs.setdefault(key, _Log())
             log.steps.append(step)
+            log.span = span or log.span
             log.nbytes += step.nbytes
             self._bytes += step.nbytes
             self._evict()
@@ -92,6 +96,12 @@ class StepLog:
                 if s.step == step:
                     return log.steps[:i + 1]
             return None
+
+    def span_of(self, key: str) -> Span | None:
+        """The layers session `key`'s steps ran through (None: not kept, or nothing computed)."""
+        with self._lock:
+            log = self._logs.get(key)
+            return log.span if log is not None else None
 
     def _evict(self) -> None:
         """Drop the ended sessions past `retain_s`, then more of them, first ended first, while over `max_bytes`."""

@@ -20,6 +20,7 @@ from libp2p.crypto.keys import KeyPair
 from beeswarm import codec
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.auditor import AuditCounts, Auditor
+from beeswarm.client.audits import entry_audits
 from beeswarm.client.receipts import ReceiptBook
 from beeswarm.client.remote import (
     Inbox,
@@ -38,13 +39,10 @@ from beeswarm.p2p import identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.p2p.probe import Prober
-from beeswarm.protocol.coordinator import Pipeline
+from beeswarm.protocol.coordinator import Pipeline, Stage
 from beeswarm.protocol.credits import swarm_id
 from beeswarm.protocol.membership import NodeInfo
-from beeswarm.protocol.spans import Span
-from beeswarm.shard import benchmark
 from beeswarm.shard.entry import EntryModel
-from beeswarm.shard.span import SpanRuntime
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.speculate import SpecReport, speculative_generate
 from beeswarm.spec.tuner import MAX_IN_FLIGHT, MAX_TREE_NODES, Tuner
@@ -236,10 +234,11 @@ class SwarmClient:
 
     def __init__(self, entry: EntryModel, node: Node, members: Membership, coordinator: PlanFollower,
                  options: ClientOptions | None = None, draft: DraftModel | None = None, tuner: Tuner | None = None,
-                 payer: KeyPair | None = None):
+                 payer: KeyPair | None = None, auditor: Auditor | None = None):
         """`coordinator`: the coordinator as this client follows it (its lease and plans); `draft`: speculate
         with it (None: one token per pass); `tuner` keeps its acceptance figures across generations; `payer`:
-        the key whose credit its generations spend (None: its node's own)."""
+        the key whose credit its generations spend (None: its node's own); `auditor`: audits the stages' work
+        (None: nobody does; it is started with the client)."""
         self.entry, self.node, self.members, self.coordinator = entry, node, members, coordinator
         self.options = options or ClientOptions()
         self.draft, self.tuner = draft, tuner or Tuner()
@@ -250,13 +249,9 @@ class SwarmClient:
         self._using: collections.Counter[Route] = collections.Counter()  # generations on each pipeline now
         self._retired = (0, 0)  # (wire, raw) bytes of pipelines closed since
         self._lock = threading.Lock()
-        self._audit_runtimes: dict[tuple[Span, str], SpanRuntime] = {}
-        self._audit_lock = threading.Lock()
-        self.auditor = Auditor(node, self._audit_runtime if self.options.audit_here else None, self.options.audit_rate,
-                               self._caught, coordinator.leader, standing=self._standing, auditors=self._auditors,
-                               on_cleared=self._cleared, on_unverified=self._unverified,
-                               last_resort=self._audit_runtime) \
-            if self.options.audit_rate > 0 else None
+        self.auditor = auditor
+        if auditor is not None:
+            auditor.listen(self)
         self.caught: dict[str, str] = {}  # stages this entry caught (failed or refused an audit) -> why
         self.unverified: dict[str, float] = {}  # stages on probation nobody could check -> when (monotonic)
         self.receipts = ReceiptBook(node, swarm_id(node.config.swarm, str(entry.ref)), payer)
@@ -265,48 +260,17 @@ class SwarmClient:
     def audits(self) -> AuditCounts:
         return self.auditor.counts if self.auditor else AuditCounts()
 
-    def _audit_runtime(self, span: Span) -> SpanRuntime:
-        """The layers of `span`, loaded once, to recompute audited steps with (the entry's dtype and device, the
-        weights' format of the plan: the swarm's): always with `--audit-here`, else when no peer auditor could and
-        they fit in half the memory free here."""
-        weights = self.coordinator.state.quant
-        with self._audit_lock:
-            if (span, weights) not in self._audit_runtimes:
-                need = benchmark.layer_bytes(self.entry.config, self.entry.dtype, weights) * len(span)
-                free = benchmark.free_bytes(self.entry.device)
-                if need > free // 2:  # the user's own work comes first
-                    raise MemoryError(f"layers {span} need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free")
-                log.info("loading layers %s (%s weights) to audit with", span, weights)
-                self._audit_runtimes[span, weights] = SpanRuntime.load(self.entry.ref, span, self.entry.dtype,
-                                                                      self.entry.device, quant=weights)
-            return self._audit_runtimes[span, weights]
-
-    def _auditors(self, span: Span, stage: str) -> list[list[str]]:
-        """Who may audit `stage` on `span`, in the order to draw from: the contributors of the coordinator's plan
-        that serve the same span (its layers are loaded: nothing to load, no memory taken), then its spares
-        (idle), then the rest (they load the span if they have room). Neither the stage nor its route picks."""
-        plan = self.coordinator.state
-        excluded = {e.node for e in plan.excluded}
-        serving = {s.node: s.span for p in (*plan.active, *plan.target) for s in p.stages}
-        contributors = [peer for peer, info in self.members.view().items()
-                        if info.role == "contributor" and peer not in excluded and peer != stage]
-        replicas = [p for p in contributors if serving.get(p) == span]
-        spares = [p for p in contributors if p not in serving]
-        return [replicas, spares, [p for p in contributors if p not in replicas and p not in spares]]
-
-    def _on_probation(self, stage: str) -> bool:
-        return self.auditor is not None and self.auditor.on_probation(stage)
-
-    def _standing(self, stage: str) -> int:
-        """The audits the swarm knows `stage` passed (the plan's standings)."""
-        return next((s.passed for s in self.coordinator.state.standings if s.node == stage), 0)
+    def on_probation(self, stage: Stage) -> bool:
+        """Whether the audits of every session through `stage` hold its tokens back until they pass."""
+        return self.auditor is not None and self.auditor.on_probation(stage.node, stage.span)
 
     def _caught_now(self) -> set[str]:
         """The stages whose work earns no receipt: caught, or on probation and checked by nobody."""
         with self._lock:
             return set(self.caught) | set(self.unverified)
 
-    def _caught(self, peer: str, why: str) -> None:
+    # the auditor's listener --------------------------------------------------------------------------
+    def on_caught(self, peer: str, why: str) -> None:
         """A stage failed or refused an audit: ban it, and fail the steps waiting on it now."""
         with self._lock:
             self.caught[peer] = why
@@ -316,7 +280,7 @@ class SwarmClient:
         for pipe in pipes:
             pipe.lose(peer, why)
 
-    def _unverified(self, peer: str, why: str) -> None:
+    def on_unverified(self, peer: str, why: str) -> None:
         """A stage on probation went unchecked: its tokens were taken back; routes avoid it while it is on probation
         (UNVERIFIED_S at most, then it is tried again: an auditor may have come)."""
         with self._lock:
@@ -328,13 +292,15 @@ class SwarmClient:
             since = self.unverified.get(peer)
         if since is None:
             return False
-        if time.monotonic() - since < UNVERIFIED_S and self._on_probation(peer):
+        spans = [s.span for p in self.coordinator.state.active for s in p.stages if s.node == peer]
+        if time.monotonic() - since < UNVERIFIED_S and any(self.on_probation(Stage(node=peer, span=span))
+                                                          for span in spans):
             return True
         with self._lock:
             self.unverified.pop(peer, None)
         return False
 
-    def _cleared(self, peer: str, why: str) -> None:
+    def on_cleared(self, peer: str, why: str) -> None:
         """An auditor's accusation of `peer` was found false: it is not caught, nor banned, here."""
         log.warning("stage %s cleared: %s", peer, why)
         with self._lock:
@@ -356,7 +322,9 @@ class SwarmClient:
                                    bootstrap=bootstrap, secret=secret, relays=relays or []))
         members = Membership(node, NodeInfo(peer=me.peer_id, role="client", state="serving"), interval=interval)
         coordinator = PlanFollower(node, members, interval=interval)  # a client follows plans, never makes them
-        return cls(entry, node, members, coordinator, options, draft, tuner, payer)
+        o = options or ClientOptions()
+        auditor = entry_audits(node, coordinator, members, entry, o.audit_rate, o.audit_here)
+        return cls(entry, node, members, coordinator, o, draft, tuner, payer, auditor)
 
     def start(self) -> SwarmClient:
         self.members.listeners.append(self._on_member)
@@ -524,7 +492,7 @@ class SwarmClient:
         while True:
             pipeline = self.route(progress.request.route_timeout)
             progress.take(pipeline.stages)
-            progress.held |= any(self._on_probation(s.node) for s in pipeline.stages)
+            progress.held |= any(self.on_probation(s) for s in pipeline.stages)
             with self._lock:
                 self._using[pipeline.stages] += 1
             try:

@@ -117,8 +117,9 @@ def render(report: StatusReport, color: bool = False) -> list[str]:
         out.append("  target = active")
     out += [red(f"  excluded {short(e.node)} until {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.until))}: "
                 f"{e.reason}") if e.until else f"  left out {short(e.node)}: {e.reason}" for e in p.excluded]
-    if p.standings:  # audits passed (audit.probation): few means every session of that stage is audited whole
-        out.append("  audits passed: " + ", ".join(f"{short(s.node)} {s.passed}" for s in p.standings))
+    if p.standings:  # steps each layer was checked on (audit.probation): few means its sessions are audited whole
+        out.append("  steps checked: " + ", ".join(
+            f"{short(s.node)} " + " ".join(f"{c.span}:{c.steps}" for c in s.checked) for s in p.standings))
     return out
 
 

@@ -146,38 +146,46 @@ class Contributor:
         """`payer`'s balance in the newest ledger this node followed (None: it has no account there)."""
         return next((b.balance for b in self.coordinator.follower.ledger_state.balances if b.node == payer), None)
 
-    def _ask_reveal(self, stage: str, entry: str, session: str, step: int) -> Revealed:
+    def _ask_reveal(self, stage: str, entry: str, session: str, step: int, piece: Span | None = None) -> Revealed:
         """As the coordinator judging `entry`'s word that `stage` refused it: ask `stage` ourselves."""
-        revealed: Revealed = self.node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry),
+        revealed: Revealed = self.node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry,
+                                                                        piece=piece),
                                                reply_decoder(Revealed, limit=self.node.config.max_tensor_bytes),
                                                timeout=30.0)
         return revealed
 
     def _audit_runtime(self, span: Span) -> SpanRuntime:
-        """The layers to audit or check evidence with: the served span's own, or `span` loaded for it (the last
-        AUDIT_SPANS kept: in a pipeline the other stages' spans come up again and again) when it fits in half
-        the memory free now (MemoryError otherwise: serving comes first)."""
+        """The layers to audit or check evidence with: those of a span served here that holds `span` (nothing to
+        load), or `span` loaded for it (the last AUDIT_SPANS kept: in a pipeline the other stages' spans come up
+        again and again) when it fits in half the memory free now and within `--max-memory` with what is held
+        (MemoryError otherwise: serving comes first)."""
         with self._lock:
-            served = self.server.runtimes.get(span) if self.server else None
-            if served is None and span in self._auditing:
+            runtimes = dict(self.server.runtimes) if self.server else {}
+            holder = next((r for s, r in runtimes.items() if s.start <= span.start and span.end <= s.end), None)
+            if holder is not None:
+                return holder.view(span)
+            if span in self._auditing:
                 self._auditing.move_to_end(span)
-                served = self._auditing[span]
-        if served is None:
-            from beeswarm.shard.device import resolve_device
+                return self._auditing[span]
+            held = sum(len(s) for s in (*runtimes, *self._auditing))
+        from beeswarm.shard.device import resolve_device
 
-            o = self.options
-            need = model_shape(o.model, o.device, o.dtype, o.quant).layer_bytes * (span.end - span.start)
-            free = benchmark.free_bytes(resolve_device(o.device))
-            if need > free // 2:
-                raise MemoryError(f"layers {span} need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free")
-            log.info("loading layers %s to audit or check evidence with", span)
-            served = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
-                                      quant=self.options.quant)
-            with self._lock:
-                self._auditing[span] = served
-                while len(self._auditing) > AUDIT_SPANS:
-                    self._auditing.popitem(last=False)
-        return served
+        o = self.options
+        layer_bytes = model_shape(o.model, o.device, o.dtype, o.quant).layer_bytes
+        need = layer_bytes * len(span)
+        free = benchmark.free_bytes(resolve_device(o.device))
+        if o.max_memory:
+            free = min(free, max(0, o.max_memory - layer_bytes * held))
+        if need > free // 2:
+            raise MemoryError(f"layers {span} need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free")
+        log.info("loading layers %s to audit or check evidence with", span)
+        loaded = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
+                                  quant=self.options.quant)
+        with self._lock:
+            self._auditing[span] = loaded
+            while len(self._auditing) > AUDIT_SPANS:
+                self._auditing.popitem(last=False)
+        return loaded
 
     @property
     def phase(self) -> Phase:

@@ -30,11 +30,10 @@ import torch
 
 from beeswarm import codec
 from beeswarm.audit import commitments
-from beeswarm.audit.evidence import reveal
 from beeswarm.audit.faults import Fault
-from beeswarm.audit.peer import commissioned
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.contributor import admission
+from beeswarm.contributor.chain import CommitmentChain, PreviousLied
 from beeswarm.p2p.channel import Channel, ChannelPool, Outbox
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
@@ -44,7 +43,7 @@ from beeswarm.protocol.audit import Reveal
 from beeswarm.protocol.session import Close, Closed, Open, Opened, open_body
 from beeswarm.protocol.step import CacheState, Commit, Result, Step, StepError
 from beeswarm.shard import tensors
-from beeswarm.shard.errors import SessionError
+from beeswarm.shard.errors import SessionError, ShardError
 from beeswarm.shard.span import SpanRuntime, StepInput
 
 log = logging.getLogger(__name__)
@@ -71,10 +70,6 @@ class _Session:
     payer: str = ""  # whose credit it spends (the entry's own, or the payer that signed for it)
     served: int = 0  # layer-tokens computed for it (logged at its end: the stage's own tally of its receipts)
     keeps: int = 0  # keeps applied to its cache (`CacheState.keeps`)
-
-
-class _PreviousLied(ProtocolError):
-    """The previous stage's commitment is missing, forged, or not what it sent."""
 
 
 class _StaleCache(ProtocolError):
@@ -137,16 +132,17 @@ class StageServer:
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.runtimes: dict[Span, SpanRuntime] = {}
-        self.step_log = step_log or StepLog(clock=clock)
-        self.fault, self.coordinator, self.credit = fault, coordinator, credit
+        self.fault, self.credit = fault, credit
+        self.chain = CommitmentChain(node.identity.key_pair, node.peer_id, step_log or StepLog(clock=clock),
+                                     self._served, coordinator, clock)
+        self.step_log = self.chain.step_log
         self.waiting = admission.Waiting(clock)
-        self.reveals = 0
         self._draining: set[Span] = set()  # spans the plan dropped, kept until their sessions end
         self.add(runtime)
 
     def start(self) -> StageServer:
         self.node.serve(ids.SESSION, self._on_session, _session_requests)
-        self.node.serve(ids.AUDIT, self._on_reveal, _reveal_requests, threads=REVEAL_THREADS)
+        self.node.serve(ids.AUDIT, self.chain.on_reveal, _reveal_requests, threads=REVEAL_THREADS)
         self.node.serve_channel(ids.STEP, self._on_step_channel)
         self._worker = threading.Thread(target=self._compute_loop, name="stage-compute", daemon=True)
         self._worker.start()
@@ -187,6 +183,18 @@ class StageServer:
             self._retired = Traffic(0, 0, self._retired.raw_in + link.raw_in, self._retired.wire_in + link.wire_in,
                                     self._retired.raw_out + link.raw_bytes,
                                     self._retired.wire_out + link.wire_bytes)
+
+    def _served(self, span: Span) -> SpanRuntime:
+        """The runtime serving `span` (a replay for an audit runs on it), ShardError when none does any more."""
+        with self._lock:
+            runtime = self.runtimes.get(span)
+        if runtime is None:
+            raise ShardError(f"this stage no longer holds layers {span}")
+        return runtime
+
+    @property
+    def reveals(self) -> int:
+        return self.chain.reveals
 
     @property
     def spans(self) -> tuple[Span, ...]:
@@ -370,7 +378,7 @@ class StageServer:
             try:
                 prepared = self._prepare(item)
                 ready.setdefault(prepared[1].runtime, []).append(prepared)
-            except _PreviousLied as e:
+            except PreviousLied as e:
                 self._fail(item, str(e), culprit=item.sender)
             except _StaleCache as e:
                 self._fail(item, str(e), stale=True)
@@ -408,7 +416,7 @@ class StageServer:
             raise ProtocolError(f"hidden states must be floating point, got {hidden.dtype}")
         mask = tensors.decode_mask(msg.mask, hidden.shape[0], msg.start) if hidden.dim() == 2 else None
         item.context, item.input = commitments.context(msg.start, msg.mask, msg.keep), commitments.digest(hidden)
-        self._check_previous(item, session)
+        self.chain.check_previous(session.entry, session.session, session.prev, msg, item.context, item.input)
         self._apply_keep(item, session)
         session.last_used = self.clock()
         return item, session, StepInput(session.key, hidden, msg.start, mask)
@@ -453,51 +461,10 @@ class StageServer:
                                                                                  held=positions)),
                            lambda e: self._fail(item, f"cannot reach the next stage: {e}", culprit=session.next))
 
-    def _check_previous(self, item: _Step, session: _Session) -> None:
-        """The previous stage's commitment must be the last one carried, signed, and name what arrived: an
-        honest stage never computes on (or signs) a step its predecessor did not commit to."""
-        commits, msg = item.msg.commits, item.msg
-        if session.prev == session.entry:
-            if commits:
-                raise ProtocolError("the entry's step carries commitments")
-            return
-        prev = commits[-1] if commits else None
-        if prev is None or prev.stage != session.prev or prev.step != msg.step or \
-                not commitments.verify(prev, session.entry, session.session):
-            raise _PreviousLied("the previous stage's commitment is missing or does not verify")
-        if prev.output != item.input or prev.context != item.context:
-            raise _PreviousLied("what arrived is not what the previous stage committed to")
-
     def _commit(self, item: _Step, session: _Session, step: StepInput, out: torch.Tensor) -> Commit:
-        """Sign this step's commitment and keep the step for a reveal (`out` on the host)."""
-        msg = item.msg
-        commit = commitments.sign(self.node.identity.key_pair, session.entry, session.session, Commit(
-            stage=self.node.peer_id, step=msg.step, span=session.runtime.span, context=item.context,
-            input=item.input, output=commitments.digest(out), sig=b""))
         session.served += len(session.runtime.span) * step.hidden.shape[-2]
-        self.step_log.record(session.key, LoggedStep(msg.step, msg.start, msg.mask, msg.keep,
-                                                     step.hidden.detach().to("cpu"), out,
-                                                     (commit.context, commit.input, commit.output)))
-        return commit
-
-    def _on_reveal(self, peer: str, msg: Reveal) -> Message:
-        """A session's steps up to one, for its entry, an auditor the entry commissioned, or the coordinator
-        judging evidence; no one else (they are its user's text)."""
-        entry = msg.entry or peer
-        if msg.commission is not None:
-            c = msg.commission
-            if not commissioned(c, peer, self.node.peer_id, msg.session, msg.step):
-                return ErrorReply(error="the commission does not name this auditor, this stage and this step, "
-                                        "signed by the session's entry")
-            entry = c.entry
-        elif entry != peer and peer != self.coordinator():
-            return ErrorReply(error="only a session's entry, an auditor it commissioned, or the coordinator may "
-                                    "ask for its reveal")
-        steps = self.step_log.upto(f"{entry}/{msg.session}", msg.step)
-        if steps is None:
-            return ErrorReply(error=f"step {msg.step} of session {msg.session!r} is not kept here")
-        self.reveals += 1
-        return reveal(self.node.identity.key_pair, self.node.peer_id, entry, msg.session, steps)
+        return self.chain.commit(session.entry, session.session, session.key, session.runtime.span, item.msg,
+                                 item.context, item.input, step.hidden.detach().to("cpu"), out)
 
     def _forward(self, item: _Step, session: _Session, out: torch.Tensor, commit: Commit) -> None:
         layout = "auto" if session.compress else "raw"

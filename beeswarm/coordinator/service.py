@@ -41,7 +41,9 @@ from beeswarm.p2p.signatures import verify_bytes
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, ids
 from beeswarm.protocol.audit import Credited, Evidence, Passed, Verdict
 from beeswarm.protocol.coordinator import (
+    MAX_RUNS,
     MAX_STANDINGS,
+    Checked,
     Exclusion,
     LeaseBeat,
     Pipeline,
@@ -263,11 +265,17 @@ class Coordinator:
         signed = verify_bytes(stage, commit_body(peer, passed.session, passed.commit), passed.commit.sig)
         if stage == peer or not signed:
             raise ProtocolError("a pass is shown by the stage's own commitment to the reporter's session")
+        span = passed.commit.span
+        checked = passed.layers or (span,)
+        if any(c.start < span.start or c.end > span.end for c in checked):
+            raise ProtocolError("a pass names layers outside the stage's span")
+        layers = sorted({layer for c in checked for layer in range(c.start, c.end)})
+        steps = min(passed.steps or passed.commit.step + 1, passed.commit.step + 1)  # no more than it committed
         with self._lock:
-            before = min(self.ledger.passed.get(stage, 0), probation.PUBLISHED_UP_TO)
-            self.ledger.credit(stage, peer, passed.session)
-            now = self.ledger.passed.get(stage, 0)
-        if min(now, probation.PUBLISHED_UP_TO) != before:
+            before = self.ledger.published([stage], 1)
+            self.ledger.credit(stage, peer, passed.session, layers, steps)
+            now = self.ledger.least(stage, span)
+        if self.ledger.published([stage], 1) != before:
             self.mark_dirty()  # the plan's standings change
         return Credited(passed=now)
 
@@ -276,7 +284,8 @@ class Coordinator:
         nodes = [s.node for p in active for s in p.stages] + \
             sorted(peer for peer, info in view.items() if info.role == "contributor")
         with self._lock:
-            return tuple(Standing(n, k) for n, k in self.ledger.published(nodes, MAX_STANDINGS).items())
+            return tuple(Standing(n, tuple(Checked(span, steps) for span, steps in runs[:MAX_RUNS]))
+                         for n, runs in self.ledger.published(nodes, MAX_STANDINGS).items())
 
     # leading ----------------------------------------------------------------------------------
     def _stand(self) -> Lease | None:
@@ -302,7 +311,7 @@ class Coordinator:
                 self._signed = None  # a plan of an earlier term is no one's to re-send
                 with self._lock:  # the sentences and standings of the coordinators before stand
                     self.sentences = {e.node: e for e in self.state.excluded if e.until} | self.sentences
-                    self.ledger.merge({s.node: s.passed for s in self.state.standings})
+                    self.ledger.merge({s.node: s.layers() for s in self.state.standings})
             now = self.clock()
             lease = self.lease
             if lease is not None and self.is_leader:

@@ -94,7 +94,8 @@ class StatusReport:
                 "target": [_pipeline_json(p) for p in self.plan.target],
                 "excluded": [{"node": e.node, "reason": e.reason, "until": e.until or None}
                              for e in self.plan.excluded],
-                "standings": {s.node: s.passed for s in self.plan.standings}},
+                "standings": {s.node: [[c.span.start, c.span.end, c.steps] for c in s.checked]
+                              for s in self.plan.standings}},
         }
 
 

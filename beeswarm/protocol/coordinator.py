@@ -50,11 +50,30 @@ Pipelines = Annotated[tuple[Pipeline, ...], msgspec.Meta(max_length=MAX_PIPELINE
 MAX_STANDINGS = 256
 
 
+MAX_RUNS = 16  # runs of layers a standing lists (a stage's layers beyond count as never checked)
+
+
+class Checked(msgspec.Struct, frozen=True, array_like=True):
+    """Layers `span` of a stage were each checked on `steps` steps."""
+
+    span: Span
+    steps: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
 class Standing(msgspec.Struct, frozen=True, array_like=True):
-    """What the swarm knows of a stage's honesty: the audits it passed (`audit.probation`)."""
+    """What the swarm knows of a stage's honesty: the steps each of its layers was checked on (`audit.probation`),
+    as runs of layers."""
 
     node: PeerId
-    passed: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    checked: Annotated[tuple[Checked, ...], msgspec.Meta(max_length=MAX_RUNS)]
+
+    def layers(self) -> dict[int, int]:
+        return {layer: c.steps for c in self.checked for layer in range(c.span.start, c.span.end)}
+
+    def least(self, span: Span) -> int:
+        """The steps every layer of `span` was checked on."""
+        layers = self.layers()
+        return min(layers.get(layer, 0) for layer in range(span.start, span.end))
 
 
 class PlanState(msgspec.Struct, frozen=True, kw_only=True):

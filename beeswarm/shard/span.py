@@ -1,11 +1,11 @@
 """Run a span of decoder layers for many sessions: batched steps, rollback, tree masks, keep."""
 from __future__ import annotations
 
-import itertools
+import copy
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +110,7 @@ class SpanRuntime:
         self.sessions: dict[str, SessionKV] = {}
         self._lock = threading.Lock()  # one pass at a time through the layers
         self._table = threading.Lock()  # `sessions`: never held across a pass (opening one never waits for it)
+        self._local = range(len(span))  # the layers this runtime runs, as indices into those built (`view`)
 
     @classmethod
     def load(cls, ref: str, span: Span, dtype="auto", device="auto", offload_fraction: float = 0.0,
@@ -118,6 +119,22 @@ class SpanRuntime:
         """`on_bytes(file, done, total)` while a hub download runs; `on_layer(done, total)` while building."""
         folder = checkpoint.resolve(ref, checkpoint.Parts(span.start, span.end), on_bytes=on_bytes)
         return cls(folder, span, dtype, device, offload_fraction, on_layer, quant)
+
+    def view(self, piece: Span) -> SpanRuntime:
+        """Layers `piece` (within this span) as a runtime of their own: the same weights and one pass at a time
+        with this one, sessions (and their KV, for those layers only) of its own. An audit checks a piece of
+        another stage's span with the layers this one serves, loading nothing."""
+        if not (self.span.start <= piece.start and piece.end <= self.span.end):
+            raise ShardError(f"layers {piece} are not within {self.span}")
+        if piece == self.span:
+            return self
+        view = copy.copy(self)
+        lo = self._local.start + piece.start - self.span.start
+        view.span, view._local = piece, range(lo, lo + len(piece))
+        view.windows = self.windows[piece.start - self.span.start:piece.end - self.span.start]
+        view.rotary = Rotary(self.config, range(piece.start, piece.end), self.device)
+        view.sessions, view._table = {}, threading.Lock()
+        return view
 
     @property
     def hidden_size(self) -> int:
@@ -210,7 +227,30 @@ class SpanRuntime:
                  tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.step([StepInput(session_id, hidden, start, tree_mask)])[0]
 
-    def _run(self, inputs: list[StepInput], sessions: list[SessionKV]) -> list[torch.Tensor]:
+    @torch.inference_mode()
+    def trace(self, x: StepInput) -> list[torch.Tensor]:
+        """One session's step, keeping the hidden states after each layer: len(span) tensors (q, hidden_size), the
+        last of them its output (an audited stage signs its layer boundaries from them)."""
+        with self._lock:
+            kv = self._session(x.session_id)
+            self._check(x, kv)
+            after: list[torch.Tensor] = []
+            self._run([x], [kv], after)
+            return [h[0] for h in after]
+
+    def _modules(self) -> Iterator[nn.Module]:
+        """The layer modules this runtime runs, in order (offloaded ones streamed in as they come)."""
+        resident = len(self.layers)
+        yield from self.layers[self._local.start:min(self._local.stop, resident)]
+        if self._local.stop > resident:
+            for j, layer in enumerate(self.offloaded.layers(), start=resident):
+                if j >= self._local.stop:
+                    break
+                if j >= self._local.start:
+                    yield layer
+
+    def _run(self, inputs: list[StepInput], sessions: list[SessionKV],
+             after: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         lengths = [x.hidden.shape[0] for x in inputs]
         q_max = max(lengths)
         hidden = torch.zeros(len(inputs), q_max, self.hidden_size, dtype=self.dtype, device=self.device)
@@ -224,10 +264,11 @@ class SpanRuntime:
         cache = StepCache(sessions, [x.start for x in inputs], lengths, self.span.start)
         masks = {w: attention_mask(inputs, cache.kv_length, w, self.dtype, self.device) for w in set(self.windows)}
         rotary = self.rotary(hidden, positions)
-        for layer, window, rope in zip(itertools.chain(self.layers, self.offloaded.layers()), self.windows, rotary,
-                                       strict=True):
+        for layer, window, rope in zip(self._modules(), self.windows, rotary, strict=True):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions, cache=cache,
                            position_embeddings=rope)
+            if after is not None:
+                after.append(hidden)
         for kv, end in zip(sessions, cache.ends, strict=True):
             kv.length = end
         return [hidden[row, :q] for row, q in enumerate(lengths)]
