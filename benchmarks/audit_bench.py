@@ -6,6 +6,8 @@ Sections (all by default):
 - tolerance: the largest relative error between what stages computed batched with other sessions and
   a replay alone, honest `--dtype` on CPU (what the audit tolerance must clear), and the drift (the mean error
   vector of a session's tokens against its honest size, what the direction test must clear).
+- layers: each layer run on 8 sessions' real hidden states batched and each alone, in `--dtype`: what an
+  interior piece's per-layer tolerance (`audit.layers.PIECE_TOLERANCE`) must clear.
 - detection: the fraction of generations (`--tokens` each) in which a stage misbehaving on a fraction f
   of its steps is caught at audit rate p, against the closed form 1 - (1 - p f)^steps.
 - caught: for each dishonest mode at the default rate, generations until the entry catches it, as a
@@ -21,7 +23,7 @@ Sections (all by default):
   the first round).
 The in-process sections use real nodes on 127.0.0.1 and the `--model` checkpoint (tinycode by default).
 
-    python benchmarks/audit_bench.py [--sections cost tolerance detection caught honest reveal throughput]
+    python benchmarks/audit_bench.py [--sections cost tolerance layers detection caught honest reveal throughput]
                                        [--dtype D] [--generations N] [--bias B] [--rounds N] [--rates M ...]
                                        [--audit-here] [--json]
 """
@@ -450,7 +452,8 @@ def cpu_s(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-SECTIONS = {"cost": cost, "tolerance": tolerance, "layers": layer_tolerance, "detection": detection, "caught": caught_after,
+SECTIONS = {"cost": cost, "tolerance": tolerance, "layers": layer_tolerance, "detection": detection,
+            "caught": caught_after,
             "honest": honest, "reveal": reveal_bytes, "throughput": throughput}
 
 
