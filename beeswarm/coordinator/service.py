@@ -275,7 +275,8 @@ class Coordinator:
             before = self.ledger.published([stage], 1)
             self.ledger.credit(stage, peer, passed.session, layers, steps)
             now = self.ledger.least(stage, span)
-        if self.ledger.published([stage], 1) != before:
+            changed = self.ledger.published([stage], 1) != before
+        if changed:
             self.mark_dirty()  # the plan's standings change
         return Credited(passed=now)
 
