@@ -27,7 +27,7 @@ from beeswarm.audit.faults import ENV, Fault, _token_direction
 from beeswarm.audit.peer import PeerAuditService, sign_commission
 from beeswarm.audit.probation import PROBATION_STEPS, PUBLISHED_UP_TO
 from beeswarm.audit.retention import LoggedStep, StepLog
-from beeswarm.audit.runner import Candidates
+from beeswarm.audit.runner import REACH_S, Candidates
 from beeswarm.client.remote import Inbox, RemotePipeline, SentStep, SessionSteps, StageFailed
 from beeswarm.contributor.local import budgets
 from beeswarm.contributor.stage import StageServer
@@ -70,6 +70,11 @@ class Layers:
         if span not in self.loaded:
             self.loaded[span] = SpanRuntime(self.folder, span, dtype=self.dtype, device="cpu")
         return self.loaded[span]
+
+
+def no_room(span: Span) -> SpanRuntime:
+    """A checker with no memory free for any layers."""
+    raise MemoryError(f"layers {span} need more memory than is free")
 
 
 def checked_on(steps) -> Callable[[str], dict[int, int]]:
@@ -157,6 +162,8 @@ def test_a_dishonest_stage_is_caught_and_the_evidence_convinces_a_third_party(me
     assert evidence.accused == cheat and evidence.kind == "wrong"
     verdict = judge(evidence, Layers(tiny_llama))
     assert verdict.upheld and verdict.excluded == cheat and "recomputation" in verdict.reason
+    unchecked = judge(evidence, no_room)  # a judge that cannot recompute it excludes nobody (and does not crash)
+    assert unchecked.excluded == "" and "could not be checked" in unchecked.reason
 
 
 def test_a_steady_nudge_under_the_per_token_tolerance_is_caught_by_its_direction(mesh, tiny_llama):
@@ -495,9 +502,12 @@ def test_a_refusal_the_coordinator_finds_unfounded_clears_the_stage_at_the_entry
 def test_a_stage_that_died_mid_session_is_blamed_for_no_reveal_only_on_probation(mesh, tiny_llama, on_probation):
     """A crash is no lie: an established stage that failed during the session (the entry went on without it)
     and cannot reveal it is left unchecked, not caught, so the text already shown stands. A stage on probation
-    is caught: its tokens were held back, and are taken back."""
+    is not trusted either: its tokens were held back, and are taken back (tried again for REACH_S first, then
+    unverified: no ban, no evidence)."""
     standing = 0 if on_probation else 100
     pipe, auditor, stages, servers, seen = swarm(mesh, tiny_llama, rate=1.0, standing=standing)
+    pauses: list[float] = []
+    auditor.runner.sleep = pauses.append
     session = pipe.open(64)
     generate(lambda t, s: pipe.forward(session, t, s), list(PROMPTS[0]), 4, SamplingParams())
     dead = stages[1].peer_id
@@ -507,7 +517,26 @@ def test_a_stage_that_died_mid_session_is_blamed_for_no_reveal_only_on_probation
     pipe.close_session(session)  # its audits are drawn: the dead stage's reveal cannot come
     assert auditor.settle([session]) == ({dead} if on_probation else set())
     c = auditor.counts
-    assert (c.refused, c.unchecked) == ((1, 0) if on_probation else (0, 1)) and c.passed == 2, c
+    assert (c.refused, c.unchecked) == (0, 1) and c.passed == 2 and seen.sent == [], c
+    assert set(seen.unverified) == ({dead} if on_probation else set()) and not seen.caught
+    assert sum(pauses) >= REACH_S if on_probation else pauses == []
+
+
+def test_a_stage_banned_here_a_moment_for_a_lost_link_is_audited_once_it_can_be_reached(mesh, tiny_llama):
+    """A stage whose link broke mid-generation is banned here for a few seconds (the route is made again around
+    or through it); its audit starting meanwhile took the ban for its refusal: the honest stage was caught, its
+    256 tokens taken back and the reply generated again after "[a stage was caught computing wrong]". The
+    audit waits for the link, and the stage passes."""
+    pipe, auditor, stages, servers, seen = swarm(mesh, tiny_llama, rate=1.0)
+    session = pipe.open(64)
+    tokens = generate(lambda t, s: pipe.forward(session, t, s), list(PROMPTS[0]), 6, SamplingParams()).tokens
+    lost = stages[1].peer_id
+    pipe.node.bans.strike(lost, "connection lost", severe=True)  # as SwarmClient's fail-over does
+    auditor.runner.sleep = lambda s: pipe.node.bans.lift(lost)  # the ban runs out while the audit waits
+    pipe.close_session(session)
+    assert auditor.settle([session]) == set(), seen.caught
+    assert auditor.counts.refused == 0 and auditor.counts.passed == 3 and seen.sent == []
+    assert tokens == reference_greedy(tiny_llama, PROMPTS[0], 6)
 
 
 def test_a_stage_reveals_to_an_auditor_only_with_its_entrys_signed_commission(mesh, tiny_llama):
@@ -593,6 +622,9 @@ def test_a_refusal_is_judged_by_asking_the_stage_again(mesh, tiny_llama):
         commits=tuple(commits)))
     verdict = judge(claim, Layers(tiny_llama), ask_reveal=ask)
     assert not verdict.upheld and verdict.excluded == "", verdict
+    # a coordinator with no room for the span: the reveal answers the charge (it failed as "internal error")
+    verdict = judge(claim, no_room, ask_reveal=ask)
+    assert not verdict.upheld and verdict.excluded == "" and "not recomputed" in verdict.reason, verdict
     with pytest.raises(RemoteError, match="only a session's entry"):  # a third node asking for the entry
         stages[0].request(refuser.peer_id, ids.AUDIT, Reveal(session=session, step=commits[-1].step,
                                                              entry=pipe.node.peer_id),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from beeswarm.audit import DEFAULT_RATE
+from beeswarm.audit.book import AuditBook
 from beeswarm.audit.pieces import SPOT_LAYERS, cover, detection, spot
 from beeswarm.audit.probation import (
     CONFIDENCE,
@@ -20,6 +21,7 @@ from beeswarm.audit.probation import (
 )
 from beeswarm.protocol import Span
 from beeswarm.protocol.coordinator import Checked, Standing
+from beeswarm.protocol.step import Commit
 
 
 def test_a_newcomer_is_audited_whole_until_its_layers_were_checked_on_enough_steps_then_less():
@@ -34,6 +36,22 @@ def test_a_newcomer_is_audited_whole_until_its_layers_were_checked_on_enough_ste
 def test_probation_catches_a_lie_on_one_step_in_twenty_with_99_percent_and_not_one_step_less():
     assert caught_chance(PROBATION_STEPS, LIE_RATE) >= CONFIDENCE > caught_chance(PROBATION_STEPS - 1, LIE_RATE)
     assert PROBATION_STEPS == 90  # three 32-token chats
+
+
+def test_a_newcomers_tokens_do_not_stand_while_its_audit_outlasts_the_wait_for_it():
+    """A generation waits for its audits a while (`settle`'s timeout); when the audit of a stage on probation is
+    still running then (its auditor slow, its link being made again), its tokens were released unchecked. They
+    are not: it is named with the caught. An established stage's spot check still running holds nothing back."""
+    span = Span(0, 4)
+    book = AuditBook(1.0, standing=lambda stage: dict.fromkeys(range(4), 10 * PROBATION_STEPS if stage == "old" else 0))
+    for step in range(3):
+        book.observe("s", [Commit(stage, step, span, b"c", b"i", b"o", b"sig") for stage in ("new", "old")])
+    jobs = book.ended("s")
+    assert sorted((j.stage, j.whole, j.probation) for j in jobs) == [("new", True, True), ("old", False, False)]
+    assert book.settle(["s"], timeout=0.0) == {"new"}  # both audits still running
+    for job in jobs:  # they passed after all (nothing recorded either caught)
+        book.finished(job)
+    assert book.pending() == 0 and book.settle(["s"], timeout=0.0) == set()
 
 
 def test_cover_checks_every_layer_by_its_holders_and_spot_checks_where_nobody_holds_them():

@@ -47,6 +47,7 @@ class Job:
     stage: str
     step: int
     whole: bool = True
+    probation: bool = False  # the stage was on probation: its tokens stand only once this audit passed
 
 
 class AuditBook:
@@ -61,7 +62,7 @@ class AuditBook:
         self.cond = threading.Condition()
         self._checked: dict[str, dict[int, int]] = {}  # stage -> layer -> steps checked here
         self._commits: dict[str, dict[str, list[Commit]]] = defaultdict(lambda: defaultdict(list))
-        self._pending: dict[str, int] = defaultdict(int)  # session -> audits queued or running
+        self._pending: dict[str, list[Job]] = defaultdict(list)  # session -> audits queued or running
         self._caught: dict[str, set[str]] = defaultdict(set)  # session -> stages caught in it
         self._unverified: dict[str, set[str]] = defaultdict(set)  # session -> stages on probation nobody checked
         self._unobserved: dict[str, set[int]] = defaultdict(set)  # session -> steps sent, results not awaited
@@ -100,12 +101,13 @@ class AuditBook:
             for stage, commits in self._commits.get(session, {}).items():
                 if not commits or stage in caught:
                     continue
-                chance = probation.session_audit_chance(self._checks(stage, commits[0].span), self.rate)
-                if self.rng.random() < chance:
-                    jobs.append(Job(session, stage, max(c.step for c in commits)))
+                checks = self._checks(stage, commits[0].span)
+                if self.rng.random() < probation.session_audit_chance(checks, self.rate):
+                    jobs.append(Job(session, stage, max(c.step for c in commits),
+                                    probation=checks < probation.PROBATION_STEPS))
                 elif stage in drawn:
                     jobs.append(Job(session, stage, drawn[stage], whole=False))
-            self._pending[session] += len(jobs)
+            self._pending[session].extend(jobs)
             return jobs
 
     # what an audit needs, and what it found ----------------------------------------------------------
@@ -153,14 +155,14 @@ class AuditBook:
     def finished(self, job: Job) -> None:
         """An audit of `job` has run, whatever came of it."""
         with self.cond:
-            self._pending[job.session] -= 1
+            self._pending[job.session].remove(job)
             self._drop_done()
             self.cond.notify_all()
 
     def pending(self) -> int:
         """Audits queued or running."""
         with self.cond:
-            return sum(self._pending.values())
+            return sum(map(len, self._pending.values()))
 
     # standing ------------------------------------------------------------------------------------
     def checks(self, stage: str, span: Span) -> int:
@@ -180,11 +182,12 @@ class AuditBook:
     # settling ------------------------------------------------------------------------------------
     def settle(self, sessions: Sequence[str], timeout: float) -> set[str]:
         """Wait up to `timeout` for the audits of `sessions` (already ended); the stages whose tokens in them do not
-        stand: caught, or on probation and checked by nobody. The sessions are then forgotten (once their last
-        audit has run)."""
+        stand: caught, on probation and checked by nobody, or on probation with their audit still running. The
+        sessions are then forgotten (once their last audit has run)."""
         with self.cond:
             self.cond.wait_for(lambda: not any(self._pending.get(s) for s in sessions), timeout)
-            caught = set().union(*(self._caught.get(s, set()) | self._unverified.get(s, set()) for s in sessions))
+            caught = set().union(*(self._caught.get(s, set()) | self._unverified.get(s, set()) for s in sessions),
+                                 (job.stage for s in sessions for job in self._pending.get(s, ()) if job.probation))
             self._done.update(sessions)
             self._drop_done()
             return caught

@@ -212,6 +212,8 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
         finding = examine(entry, ev.commits, ev.revealed, runtime_for, max_bytes, boundaries=_boundaries(ev)).finding
     except (RevealRefused, ProtocolError) as e:
         return false(str(e))
+    except CannotRecompute as e:  # nobody's fault: nobody is excluded on evidence this judge could not check
+        return Judgement("", f"the evidence against {ev.accused} could not be checked here: {e}", False)
     if finding is None:
         return false("its reveal matches its commitments and the recomputation")
     return upheld(finding.detail)
@@ -237,17 +239,18 @@ def _judge_refusal(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int, ask_re
         boundaries = _boundaries(ev)
     except ProtocolError as e:
         return Judgement(ev.accuser, f"false accusation against {ev.accused}: {e}", False)
+    checked = "it checks out"
     try:
         revealed = ask_reveal(ev.accused, ev.session_entry, ev.session, step, ev.piece)
         finding = examine(ev.session_entry, ev.commits, revealed, runtime_for, max_bytes,
                           boundaries=boundaries).finding
-    except CannotRecompute:
-        raise
+    except CannotRecompute as e:  # the charge is refusal: a reveal that matches its commitments answers it
+        finding, checked = None, f"it matches its commitments (not recomputed: {e})"
     except Exception as e:  # noqa: BLE001 - no answer, a refusal, an unverifiable reveal: all a refusal
         return upheld(f"it refused a reveal of step {step} to its entry, and to the coordinator: {e}")
     if finding is not None:
         return upheld(finding.detail)
-    return Judgement("", f"{ev.accused} revealed step {step} to the coordinator and it checks out "
+    return Judgement("", f"{ev.accused} revealed step {step} to the coordinator and {checked} "
                          f"({ev.accuser} may have lost its link)", False)
 
 
@@ -267,6 +270,8 @@ def _judge_pass(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int,
                           boundaries=_boundaries(ev)).finding
     except (RevealRefused, ProtocolError) as e:
         return false(str(e))
+    except CannotRecompute as e:
+        return Judgement("", f"the evidence against {ev.accused} could not be checked here: {e}", False)
     if finding is None or finding.kind != "wrong":  # only a reveal that matches the commitments proves them wrong
         return false("the commitments it passed recompute as committed")
     return Judgement(ev.accused, f"audit (false_pass): it passed {v.stage}'s step {v.step}, which recomputes "

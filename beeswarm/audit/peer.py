@@ -128,7 +128,9 @@ class PeerAuditService:
                                    complete=True, unobserved=frozenset(ask.unobserved), boundaries=ask.boundaries)
         except CannotRecompute as e:  # not the stage's fault: the entry asks another auditor
             return ErrorReply(error=f"this auditor cannot recompute layers {layers}: {e}", busy=True)
-        except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
+        except NodeError as e:  # no link to it (no answer of its own, so no refusal): the entry asks another auditor
+            return ErrorReply(error=f"this auditor cannot reach {c.stage}: {e}", busy=True)
+        except (RemoteError, TimeoutError, RevealRefused) as e:
             why = f"refused an audit of step {c.step}: {e}"
             log.info("stage %s %s (for %s)", c.stage, why, c.entry)
             return Audited(verdict(False, why), evidence("refused", str(e)))

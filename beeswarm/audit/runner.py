@@ -10,6 +10,8 @@ drawn at random with the OS's random source, so the audited stage cannot pick th
 A pass is checked again by a second auditor with chance `second_opinion` (always on probation); a pass the second
 proves wrong is evidence against the first. Where no peer could check a piece, the entry does with
 `last_resort` (the layers loaded here, when they fit); with `here` (`--audit-here`) it checks whole spans itself.
+Only the stage's own answer (an error, silence past the timeout, a reveal that does not verify) is a refusal: a
+stage no link can be made to is tried again for REACH_S, then left unchecked.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,13 +30,14 @@ from beeswarm.audit.peer import ask_peer, sign_commission
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import ProtocolError, RemoteError, Span, ids
+from beeswarm.protocol import Decoder, ProtocolError, RemoteError, Span, ids
 from beeswarm.protocol.audit import AuditAsk, Audited, Boundaries, Commission, Evidence, Reveal, Revealed
 from beeswarm.protocol.step import Commit
 
 log = logging.getLogger(__name__)
 
 REVEAL_TIMEOUT_S = 30.0
+REACH_S = 30.0  # how long the entry keeps trying to reach a stage it audits (its link may be moving to another relay)
 PEER_AUDIT_S = 120.0  # a peer auditor's answer (it fetches the reveal and recomputes)
 PEER_TRIES = 3  # auditors asked in a round
 AGAIN_S = (1.0, 3.0)  # pauses before the rounds after the first, before a piece is given up as unchecked
@@ -94,6 +98,10 @@ class _Audit:
         return self.commits[0].span
 
 
+class _Unreachable(Exception):
+    """No link to the audited stage could be made: no answer of its own, so no refusal either."""
+
+
 class AuditRunner:
     def __init__(self, node: Node, candidates: Callable[[str], Candidates] = lambda stage: Candidates(),
                  here: RuntimeFor | None = None, last_resort: RuntimeFor | None = None,
@@ -143,7 +151,9 @@ class AuditRunner:
         span = audit.span
         try:
             boundaries = self._ask_boundaries(audit)
-        except (RemoteError, NodeError, TimeoutError, ProtocolError) as e:
+        except _Unreachable as e:
+            return Unchecked(f"its layer boundaries: {e}")
+        except (RemoteError, TimeoutError, ProtocolError) as e:
             return self._refused(audit, f"its layer boundaries: {e}")
         wrong = layers.contradiction(audit.commits, layers.ends_of(boundaries), complete=True,
                                      unobserved=audit.unobserved)
@@ -177,13 +187,27 @@ class AuditRunner:
         return checked_part
 
     def _ask_boundaries(self, audit: _Audit) -> Boundaries:
-        b: Boundaries = self.node.request(audit.stage, ids.AUDIT, Reveal(session=audit.session, step=audit.step,
-                                                                         boundaries=True),
-                                          self._boundaries, timeout=REVEAL_TIMEOUT_S)
+        b: Boundaries = self._ask_stage(audit, Reveal(session=audit.session, step=audit.step, boundaries=True),
+                                        self._boundaries)
         if (b.stage, b.session, b.span) != (audit.stage, audit.session, audit.span) or \
                 not layers.boundaries_signed(b, self.node.peer_id):
             raise ProtocolError("the boundaries are not the stage's own, signed for this session and span")
         return b
+
+    def _ask_stage(self, audit: _Audit, reveal: Reveal, replies: Decoder[Any]) -> Any:
+        """The stage's answer to `reveal`. A link that cannot be made (lost, being made again through another relay,
+        the stage banned here a few seconds for the failure that lost it) is tried again for REACH_S: _Unreachable."""
+        waited, pause = 0.0, 0.5
+        while True:
+            try:
+                return self.node.request(audit.stage, ids.AUDIT, reveal, replies, timeout=REVEAL_TIMEOUT_S)
+            except NodeError as e:
+                if waited >= REACH_S:
+                    raise _Unreachable(f"could not reach it for {waited:.0f} s: {e}") from None
+                log.info("cannot reach %s to audit it (%s): trying again in %.1f s", audit.stage, e, pause)
+                self.sleep(pause)
+                waited += pause
+                pause = min(2 * pause, 8.0)
 
     # one check -------------------------------------------------------------------------------------
     def _check_by_peers(self, audit: _Audit, piece: Span | None, boundaries: Boundaries | None,
@@ -241,16 +265,17 @@ class AuditRunner:
                     runtime_for: RuntimeFor) -> _Checked | Fail | Unchecked:
         """Check `piece` (None: the whole span) with layers loaded here: the stage reveals it to this entry."""
         try:
-            revealed = self.node.request(audit.stage, ids.AUDIT, Reveal(session=audit.session, step=audit.step,
-                                                                        piece=piece),
-                                         self._reveals, timeout=REVEAL_TIMEOUT_S)
+            revealed = self._ask_stage(audit, Reveal(session=audit.session, step=audit.step, piece=piece),
+                                       self._reveals)
             with torch.inference_mode():
                 examined = examine(self.node.peer_id, audit.commits, revealed, runtime_for,
                                    self.node.config.max_tensor_bytes, complete=True, unobserved=audit.unobserved,
                                    boundaries=boundaries)
         except CannotRecompute as e:
             return Unchecked(f"this entry cannot check it: {e}")
-        except (RemoteError, NodeError, TimeoutError, RevealRefused) as e:
+        except _Unreachable as e:
+            return Unchecked(str(e))
+        except (RemoteError, TimeoutError, RevealRefused) as e:
             return self._refused(audit, str(e), piece, boundaries)
         if examined.finding is None:
             return _Checked(examined.share)
