@@ -16,6 +16,8 @@ Sections (all by default):
   then a stage adding a steady `--bias`: the share of `--bias-trials` generations caught.
 - reveal: the bytes of a whole-session reveal (what a peer audit moves, stage to auditor) and the entry's
   commitments to the auditor, measured on real hidden states and scaled to 4096 wide and 2k tokens.
+- pieces: audits by pieces at a Llama-3.2-1B shape (2048 wide): bytes per audit (at 2048 and 8192 wide), the
+  auditor's memory for one layer, the stage's and auditors' work against serving, detection per audit.
 - throughput: tokens/s, and CPU a token of every process, of 4 concurrent chats through a local swarm of 3
   contributor processes at audit rate 0 and `--rates` times the default (1 and 4 unless told; rounds in
   ABBA order; each rate against rate 0 of its round, medians), peer auditors recomputing (the
@@ -23,7 +25,8 @@ Sections (all by default):
   the first round).
 The in-process sections use real nodes on 127.0.0.1 and the `--model` checkpoint (tinycode by default).
 
-    python benchmarks/audit_bench.py [--sections cost tolerance layers detection caught honest reveal throughput]
+    python benchmarks/audit_bench.py [--sections cost tolerance layers detection caught honest reveal pieces
+                                                 throughput]
                                        [--dtype D] [--generations N] [--bias B] [--rounds N] [--rates M ...]
                                        [--audit-here] [--json]
 """
@@ -235,6 +238,107 @@ def layer_tolerance(args) -> dict:
                 errors.append(relative_error(outs[i], ref))
     return {"dtype": args.dtype, "layers": n, "tokens_compared": len(errors), "max_relative_error": max(errors),
             "median_relative_error": statistics.median(errors)}
+
+
+def pieces_at_scale(args) -> dict:
+    """Audits by pieces on a Llama-3.2-1B-shaped model (2048 wide, 8192 MLP, 32 heads, 8 KV heads; random weights,
+    2 layers made, each costing what any of the 16 would): one session of `--reveal-tokens` (a prefill of 64, then
+    a token a step) served through the layers, then an audit of it as a 16-layer span would have it: the stage's
+    replay of its span (`replay.trace`) and signed boundaries, one piece's reveal, a spot check of one layer by a
+    member that loads it. Bytes are measured at 2048 wide and scaled to 8192 (the codec's ratio held); times are
+    this CPU's, per layer, and the cost is each side's work against the serving work of the same session."""
+    import tempfile
+    from pathlib import Path
+
+    from beeswarm.audit import layers as layer_audit
+    from beeswarm.audit.pieces import SPOT_LAYERS
+    from beeswarm.audit.pieces import detection as found_by
+    from beeswarm.audit.replay import trace
+    from beeswarm.audit.retention import LoggedStep
+    from beeswarm.protocol import Decoder
+    from beeswarm.protocol.audit import Revealed
+    from beeswarm.shard import tensors
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    span_layers, wide, tokens, prefill = 16, 2048, args.reveal_tokens, 64
+    dtype = getattr(torch, args.dtype)
+    process = psutil.Process()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_tiny_checkpoint(Path(tmp) / "1b", num_layers=2, hidden_size=wide, heads=32, kv_heads=8,
+                                       intermediate_size=8192, max_positions=tokens + 8, initializer_range=0.02,
+                                       dtype=dtype)
+        entry = EntryModel(folder, args.dtype, "cpu")
+        served = SpanRuntime(folder, Span(0, 2), args.dtype, "cpu")
+        served.open("s", tokens)
+        ids = [random.Random(0).randrange(1, 256) for _ in range(tokens)]
+        steps, start, serve_s = [], 0, 0.0
+        with torch.inference_mode():
+            for step, chunk in enumerate([ids[:prefill]] + [[t] for t in ids[prefill:]]):
+                x = entry.embed(torch.tensor(chunk))
+                t0 = time.perf_counter()
+                y = served.step_one("s", x, start)
+                serve_s += time.perf_counter() - t0
+                steps.append(LoggedStep(step, start, None, None, x.clone(), y.clone()))
+                start += len(chunk)
+            t0 = time.perf_counter()
+            traced = trace(served, steps)  # the stage, asked for its boundaries
+            trace_s = time.perf_counter() - t0
+        signer = identity.ephemeral()
+        boundaries = layer_audit.sign_boundaries(signer.key_pair, signer.peer_id, "entry", "s", Span(0, 2), steps,
+                                                 traced)
+        boundaries_16 = msgspec.structs.replace(boundaries, inner=boundaries.inner * (span_layers - 1))
+        t0 = time.perf_counter()
+        revealed = layer_audit.reveal_piece(signer.key_pair, signer.peer_id, "entry", "s", Span(0, 2), Span(0, 1),
+                                            steps, traced)
+        reveal_encode_s = time.perf_counter() - t0
+        reveal_wire = len(encode(revealed))
+        del served, traced
+        rss0 = process.memory_info().rss
+        t0 = time.perf_counter()
+        got = Decoder(Revealed, limit=1 << 34).decode(encode(revealed))
+        piece = [LoggedStep(s.step, s.start, s.mask, s.keep, tensors.decode(s.input), tensors.decode(s.output))
+                 for s in got.steps]
+        decode_s = time.perf_counter() - t0
+        reveal_raw = sum(s.input.nbytes + s.output.nbytes for s in piece)
+        t0 = time.perf_counter()
+        layer = SpanRuntime(folder, Span(0, 1), args.dtype, "cpu")  # a spot check by a member with room for it
+        load_s = time.perf_counter() - t0
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            outputs = replay(layer, piece)
+            replay_s = time.perf_counter() - t0
+        auditor_bytes = process.memory_info().rss - rss0
+        error = max(relative_error(a, s.output) for a, s in zip(outputs, piece, strict=True))
+    per_layer_serve, per_layer_trace = serve_s / 2, trace_s / 2
+    scale = 8192 / wide
+    stage_share = per_layer_trace / per_layer_serve  # its whole span replayed, per layer served
+    spot_share = SPOT_LAYERS * (replay_s + decode_s) / (span_layers * per_layer_serve)
+    cover_share = span_layers * (replay_s + decode_s) / (span_layers * per_layer_serve)
+    drawn = 1 - (1 - DEFAULT_RATE) ** len(steps)  # the chance a session of this length has a step drawn, a stage
+    return {
+        "dtype": args.dtype, "tokens": tokens, "steps": len(steps),
+        "serve_s_per_layer": round(per_layer_serve, 2), "stage_trace_s_per_layer": round(per_layer_trace, 2),
+        "piece_reveal_encode_s": round(reveal_encode_s, 2), "auditor_decode_s": round(decode_s, 2),
+        "auditor_load_layer_s": round(load_s, 2), "auditor_replay_s_one_layer": round(replay_s, 2),
+        "honest_error_one_layer": error,
+        "bytes": {
+            "boundaries_16_layers": len(encode(boundaries_16)),
+            "commitments_to_auditor": len(steps) * 179,
+            "piece_reveal_2048_wide": reveal_wire, "piece_reveal_raw_2048_wide": reveal_raw,
+            "piece_reveal_8192_wide": round(reveal_wire * scale),
+            "stage_trace_memory_16_layers_2048": (span_layers - 1) * tokens * wide * torch.finfo(dtype).bits // 8,
+            "stage_trace_memory_16_layers_8192": round((span_layers - 1) * tokens * wide * scale
+                                                       * torch.finfo(dtype).bits // 8),
+        },
+        "auditor_memory_bytes_one_layer_loaded": auditor_bytes,
+        "cost_vs_serving": {
+            "session_drawn_at_default_rate": round(drawn, 4),
+            "stage_replays_its_span": round(stage_share, 3),
+            "auditors_spot_check_past_probation": round(spot_share, 3),
+            "auditors_cover_on_probation_with_second_opinion": round(2 * cover_share, 3)},
+        "detection_per_audit_single_layer_liar": {"past_probation_spot": found_by(SPOT_LAYERS, span_layers),
+                                                  "on_probation_cover": 1.0},
+    }
 
 
 def detection(args) -> dict:
@@ -454,7 +558,7 @@ def cpu_s(process: psutil.Process) -> float:
 
 SECTIONS = {"cost": cost, "tolerance": tolerance, "layers": layer_tolerance, "detection": detection,
             "caught": caught_after,
-            "honest": honest, "reveal": reveal_bytes, "throughput": throughput}
+            "honest": honest, "reveal": reveal_bytes, "pieces": pieces_at_scale, "throughput": throughput}
 
 
 def main() -> None:

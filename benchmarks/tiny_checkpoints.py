@@ -14,13 +14,14 @@ def write_tiny_checkpoint(folder: Path, family: str = "llama", num_layers: int =
                           heads: int = 4, kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0,
                           tie_word_embeddings: bool = False, max_shard_size: str | None = None,
                           dtype: torch.dtype = torch.float32, max_positions: int = 512,
-                          vocab_size: int | None = None) -> Path:
+                          vocab_size: int | None = None, initializer_range: float = 0.1) -> Path:
     """Write a random `family` model with a 257-symbol byte-level tokenizer to `folder`.
 
     `vocab_size` below 257 makes a model for tests of sampling only: its tokenizer no longer fits.
 
     `max_shard_size` (e.g. "40KB") splits the weights into several files with an index.
-    Weights are drawn with std 0.1 so hidden states differ visibly between layers.
+    Weights are drawn with std `initializer_range` (0.1: hidden states differ visibly between layers; a wide model
+    wants a real one's 0.02).
     """
     if family not in SUPPORTED:
         raise ValueError(f"family {family!r}: expected one of {sorted(SUPPORTED)}")
@@ -29,7 +30,7 @@ def write_tiny_checkpoint(folder: Path, family: str = "llama", num_layers: int =
     config = AutoConfig.for_model(
         family, vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate_size, max_position_embeddings=max_positions,
-        tie_word_embeddings=tie_word_embeddings, initializer_range=0.1, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range, bos_token_id=0, eos_token_id=0,
         pad_token_id=None, **_family_settings(family, num_layers, hidden_size // heads, intermediate_size))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -23,8 +23,9 @@ from transformers import AutoTokenizer
 from beeswarm.audit import DEFAULT_RATE, commitments
 from beeswarm.audit.auditor import Auditor, entry_auditor
 from beeswarm.audit.evidence import judge, sign_evidence, sign_verdict
-from beeswarm.audit.faults import ENV, Fault, _token_direction
+from beeswarm.audit.faults import ENV, LAYER_SCALE, Fault, _token_direction
 from beeswarm.audit.peer import PeerAuditService, sign_commission
+from beeswarm.audit.pieces import SPOT_LAYERS
 from beeswarm.audit.probation import PROBATION_STEPS, PUBLISHED_UP_TO
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.audit.runner import REACH_S, Candidates
@@ -314,10 +315,11 @@ def holding(runtime: SpanRuntime) -> Callable[[Span], SpanRuntime]:
     return runtime_for
 
 
-def whole_model_newcomer(mesh, folder, fault: Fault | None, dtype: str = "float32", spot_here: bool = False):
+def whole_model_newcomer(mesh, folder, fault: Fault | None, dtype: str = "float32", spot_here: bool = False,
+                         rate: float = DEFAULT_RATE, **audits):
     """The case nobody could check before: a newcomer serving every layer (no member can load them all), beside
     members serving pieces (SPLITS), each auditing with the layers it serves; the entry loads none (`spot_here`:
-    it checks a piece nobody else can, the last resort)."""
+    it checks a piece nobody else can, the last resort). `audits`: the entry auditor's standing=, rng=."""
     (newcomer,) = mesh(1, members=False)
     server = StageServer(newcomer, SpanRuntime(folder, Span(0, 8), dtype=dtype, device="cpu"), fault=fault).start()
     (entry_node,) = mesh(1, members=False, bootstrap=[])
@@ -330,16 +332,16 @@ def whole_model_newcomer(mesh, folder, fault: Fault | None, dtype: str = "float3
             node.connect(peer.addrs[0])
         members[node.peer_id] = span
     seen = Seen()
-    auditor = entry_audits(entry_node, folder, seen, DEFAULT_RATE, dtype=dtype, here=None,
+    auditor = entry_audits(entry_node, folder, seen, rate, dtype=dtype, here=None,
                            last_resort=Layers(folder, dtype) if spot_here else None,
-                           candidates=lambda stage: Candidates(members))
+                           candidates=lambda stage: Candidates(members), **audits)
     route = (Stage(node=newcomer.peer_id, span=Span(0, 8)),)
     pipe = RemotePipeline(entry_node, Inbox(entry_node).start(), EntryModel(folder, "float32", "cpu"), route,
                           auditor=auditor)
     return pipe, auditor, server, seen
 
 
-@pytest.mark.parametrize("mode", ["noise@0.3", "identity", "bias"])
+@pytest.mark.parametrize("mode", ["noise@0.3", "identity", "bias", "layer"])
 def test_a_whole_model_newcomer_is_checked_layer_by_layer_by_members_serving_pieces_and_caught(mesh, tiny_llama,
                                                                                                 mode):
     """Its audits came back "unchecked" and its tokens reached the user. Now it signs its layer boundaries and each
@@ -359,6 +361,24 @@ def test_a_whole_model_newcomer_is_checked_layer_by_layer_by_members_serving_pie
         verdict = judge(evidence, only_piece)
         assert verdict.upheld and verdict.excluded == server.node.peer_id, verdict.reason
         assert set(only_piece.loaded) == {evidence.piece}  # it recomputed that piece, nothing more
+    if name == "layer":  # its replay repeats the lie: only the piece holding the bad layer shows it
+        assert evidence.kind == "wrong" and evidence.piece == Span(3, 5)
+
+
+def test_a_trusted_stage_lying_in_one_layer_is_found_by_spot_checks_and_its_honest_layers_pass(mesh, tiny_llama):
+    """Past probation each audit spot-checks SPOT_LAYERS of the 8 layers, drawn after the stage signed its
+    boundaries: a stage that lies consistently in one layer (its replay too) passes the audits that miss it and
+    is caught by the first that draws it; nobody is accused before."""
+    pipe, auditor, server, seen = whole_model_newcomer(mesh, tiny_llama, Fault("layer", scale=LAYER_SCALE), rate=1.0,
+                                                       standing=10 * PROBATION_STEPS, rng=random.Random(3))
+    liar = server.node.peer_id
+    for n in range(1, 13):  # P(no draw of layer 4 in 12 audits) = (6/8)^12 = 3%; this seed draws it
+        session, _ = run(pipe, PROMPTS[n % 2], 4)
+        if auditor.settle([session]) == {liar}:
+            break
+        assert seen.sent == [] and not seen.caught
+    assert seen.caught.keys() == {liar} and seen.sent[0].piece == Span(4, 5), n
+    assert auditor.counts.passed == n - 1 and auditor.counts.layers_checked == SPOT_LAYERS * (n - 1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -4,6 +4,7 @@ checks, which no single entry can fill and a new key starts from nothing in."""
 from __future__ import annotations
 
 import random
+import threading
 
 from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.book import AuditBook
@@ -49,6 +50,11 @@ def test_a_newcomers_tokens_do_not_stand_while_its_audit_outlasts_the_wait_for_i
     jobs = book.ended("s")
     assert sorted((j.stage, j.whole, j.probation) for j in jobs) == [("new", True, True), ("old", False, False)]
     assert book.settle(["s"], timeout=0.0) == {"new"}  # both audits still running
+    finish = threading.Timer(0.2, book.finished, [next(j for j in jobs if j.probation)])
+    finish.start()  # the newcomer's audit passes while the generation waits on for it (the other's does not)
+    assert book.settle(["s"], timeout=0.0, probation_timeout=30.0) == set()
+    finish.join()
+    jobs = [j for j in jobs if not j.probation]
     for job in jobs:  # they passed after all (nothing recorded either caught)
         book.finished(job)
     assert book.pending() == 0 and book.settle(["s"], timeout=0.0) == set()

@@ -35,6 +35,8 @@ from beeswarm.protocol.step import Commit
 log = logging.getLogger(__name__)
 
 SETTLE_S = 30.0  # the longest a generation waits for its audits; later verdicts still ban and report
+# ... and for those of a stage on probation, whose tokens only its audit releases (past it they are taken back)
+PROBATION_SETTLE_S = 120.0
 WORKERS = 4  # audits run at once
 
 __all__ = ["AuditCounts", "AuditListener", "Auditor", "Reporter", "entry_auditor"]
@@ -107,12 +109,14 @@ class Auditor:
         for job in self.book.ended(session):
             self._jobs.put(job)
 
-    def settle(self, sessions: Sequence[str], timeout: float = SETTLE_S) -> set[str]:
-        """Wait for the audits of `sessions` (ended here if they were not), up to `timeout`; the stages whose tokens
-        in them do not stand: caught, or on probation and checked by nobody."""
+    def settle(self, sessions: Sequence[str], timeout: float = SETTLE_S,
+               probation_timeout: float = PROBATION_SETTLE_S) -> set[str]:
+        """Wait for the audits of `sessions` (ended here if they were not), up to `timeout`, and those of stages on
+        probation up to `probation_timeout`; the stages whose tokens in them do not stand: caught, or on probation
+        and not (yet) checked."""
         for session in sessions:
             self.ended(session)
-        return self.book.settle(sessions, timeout)
+        return self.book.settle(sessions, timeout, probation_timeout)
 
     def on_probation(self, stage: str, span: Span) -> bool:
         """Whether every session through `stage`'s `span` is audited whole when it ends (its tokens wait for it)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -180,12 +181,16 @@ class AuditBook:
         return min(max(mine.get(layer, 0), swarm.get(layer, 0)) for layer in range(span.start, span.end))
 
     # settling ------------------------------------------------------------------------------------
-    def settle(self, sessions: Sequence[str], timeout: float) -> set[str]:
-        """Wait up to `timeout` for the audits of `sessions` (already ended); the stages whose tokens in them do not
-        stand: caught, on probation and checked by nobody, or on probation with their audit still running. The
-        sessions are then forgotten (once their last audit has run)."""
+    def settle(self, sessions: Sequence[str], timeout: float, probation_timeout: float = 0.0) -> set[str]:
+        """Wait up to `timeout` for the audits of `sessions` (already ended), and for those of stages on probation up
+        to `probation_timeout` (at least `timeout`): their tokens are released only by their audit. The stages whose
+        tokens in them do not stand: caught, on probation and checked by nobody, or on probation with their audit
+        still running. The sessions are then forgotten (once their last audit has run)."""
+        deadline = time.monotonic() + max(timeout, probation_timeout)
         with self.cond:
             self.cond.wait_for(lambda: not any(self._pending.get(s) for s in sessions), timeout)
+            self.cond.wait_for(lambda: not any(j.probation for s in sessions for j in self._pending.get(s, ())),
+                               max(0.0, deadline - time.monotonic()))
             caught = set().union(*(self._caught.get(s, set()) | self._unverified.get(s, set()) for s in sessions),
                                  (job.stage for s in sessions for job in self._pending.get(s, ()) if job.probation))
             self._done.update(sessions)

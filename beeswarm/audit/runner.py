@@ -37,7 +37,8 @@ from beeswarm.protocol.step import Commit
 log = logging.getLogger(__name__)
 
 REVEAL_TIMEOUT_S = 30.0
-REACH_S = 30.0  # how long the entry keeps trying to reach a stage it audits (its link may be moving to another relay)
+REACH_S = 15.0  # how long the entry keeps trying to reach a stage it audits: its ban here for the failure (5 s),
+# then its new relay announced (a dead stage on probation holds its text that much longer)
 PEER_AUDIT_S = 120.0  # a peer auditor's answer (it fetches the reveal and recomputes)
 PEER_TRIES = 3  # auditors asked in a round
 AGAIN_S = (1.0, 3.0)  # pauses before the rounds after the first, before a piece is given up as unchecked
@@ -221,6 +222,8 @@ class AuditRunner:
             return AuditAsk(commission=commission, commits=audit.commits, unobserved=tuple(sorted(audit.unobserved)),
                             boundaries=boundaries)
 
+        if not any(tiers):  # nobody to ask (a swarm of one contributor): no rounds to wait out
+            return None
         first = self._peer_audit(ask, tiers)
         for pause in AGAIN_S[:rounds - 1]:  # busy, or gone (a member killed meanwhile is drawn until it leaves)
             if first is not None:

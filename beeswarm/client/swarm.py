@@ -473,7 +473,8 @@ class SwarmClient:
                 result = self._generate(progress)
             except BaseException:
                 if self.auditor:
-                    self.auditor.settle(progress.sessions, timeout=0)  # forget them: nobody waits for their verdicts
+                    # forget them: nobody waits for their verdicts
+                    self.auditor.settle(progress.sessions, timeout=0, probation_timeout=0)
                 else:  # unaudited, as every generation here: what the stages served is receipted all the same
                     self.receipts.settle(progress.sessions, self._caught_now())
                 raise

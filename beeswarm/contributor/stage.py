@@ -156,6 +156,9 @@ class StageServer:
 
     def add(self, runtime: SpanRuntime) -> None:
         """Serve another span (the new one of a migration) beside the current ones."""
+        if self.fault is not None and (at := self.fault.corrupt(list(runtime.layers))) is not None:
+            log.warning("TEST FAULT ON: layer %d of %s computes with wrong weights", runtime.span.start + at,
+                        runtime.span)
         with self._lock:
             self.runtimes[runtime.span] = runtime
             self._draining.discard(runtime.span)
