@@ -251,13 +251,13 @@ def pieces_at_scale(args) -> dict:
     from pathlib import Path
 
     from beeswarm.audit import layers as layer_audit
+    from beeswarm.audit.evidence import read_reveal
     from beeswarm.audit.pieces import SPOT_LAYERS
     from beeswarm.audit.pieces import detection as found_by
     from beeswarm.audit.replay import trace
     from beeswarm.audit.retention import LoggedStep
     from beeswarm.protocol import Decoder
     from beeswarm.protocol.audit import Revealed
-    from beeswarm.shard import tensors
     from tiny_checkpoints import write_tiny_checkpoint
 
     span_layers, wide, tokens, prefill = 16, 2048, args.reveal_tokens, 64
@@ -295,9 +295,7 @@ def pieces_at_scale(args) -> dict:
         del served, traced
         rss0 = process.memory_info().rss
         t0 = time.perf_counter()
-        got = Decoder(Revealed, limit=1 << 34).decode(encode(revealed))
-        piece = [LoggedStep(s.step, s.start, s.mask, s.keep, tensors.decode(s.input), tensors.decode(s.output))
-                 for s in got.steps]
+        piece = read_reveal(Decoder(Revealed, limit=1 << 34).decode(encode(revealed)), "entry", 1 << 34)
         decode_s = time.perf_counter() - t0
         reveal_raw = sum(s.input.nbytes + s.output.nbytes for s in piece)
         t0 = time.perf_counter()
@@ -313,7 +311,7 @@ def pieces_at_scale(args) -> dict:
     scale = 8192 / wide
     stage_share = per_layer_trace / per_layer_serve  # its whole span replayed, per layer served
     spot_share = SPOT_LAYERS * (replay_s + decode_s) / (span_layers * per_layer_serve)
-    cover_share = span_layers * (replay_s + decode_s) / (span_layers * per_layer_serve)
+    cover_share = (replay_s + decode_s) / per_layer_serve  # every layer checked once
     drawn = 1 - (1 - DEFAULT_RATE) ** len(steps)  # the chance a session of this length has a step drawn, a stage
     return {
         "dtype": args.dtype, "tokens": tokens, "steps": len(steps),

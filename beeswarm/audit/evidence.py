@@ -212,11 +212,16 @@ def judge(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int = codec.DEFAULT_
         finding = examine(entry, ev.commits, ev.revealed, runtime_for, max_bytes, boundaries=_boundaries(ev)).finding
     except (RevealRefused, ProtocolError) as e:
         return false(str(e))
-    except CannotRecompute as e:  # nobody's fault: nobody is excluded on evidence this judge could not check
-        return Judgement("", f"the evidence against {ev.accused} could not be checked here: {e}", False)
+    except CannotRecompute as e:
+        return _cannot_judge(ev, e)
     if finding is None:
         return false("its reveal matches its commitments and the recomputation")
     return upheld(finding.detail)
+
+
+def _cannot_judge(ev: Evidence, e: CannotRecompute) -> Judgement:
+    """Nobody's fault: nobody is excluded on evidence this judge could not recompute."""
+    return Judgement("", f"the evidence against {ev.accused} could not be checked here: {e}", False)
 
 
 def _boundaries(ev: Evidence) -> Boundaries | None:
@@ -271,7 +276,7 @@ def _judge_pass(ev: Evidence, runtime_for: RuntimeFor, max_bytes: int,
     except (RevealRefused, ProtocolError) as e:
         return false(str(e))
     except CannotRecompute as e:
-        return Judgement("", f"the evidence against {ev.accused} could not be checked here: {e}", False)
+        return _cannot_judge(ev, e)
     if finding is None or finding.kind != "wrong":  # only a reveal that matches the commitments proves them wrong
         return false("the commitments it passed recompute as committed")
     return Judgement(ev.accused, f"audit (false_pass): it passed {v.stage}'s step {v.step}, which recomputes "
