@@ -61,9 +61,8 @@ class FaultSwarm:
                                       heartbeat=beat)
         self.peers |= spare
         wait_for(lambda: s.health()["members"] >= 3, 20 * beat, "the spare in the entry's view")
-        wait_for(lambda: past_probation(s.health, lambda: s.client.completions.create(
-            model=self.model, prompt=PROMPT, max_tokens=4)), 60 * beat, "a route past probation")  # text streams
-        route = [hop["peer"] for hop in s.health()["route"]]
+        route = [hop["peer"] for hop in wait_for(lambda: past_probation(s.health, lambda: s.client.completions.create(
+            model=self.model, prompt=PROMPT, max_tokens=4)), 60 * beat, "a route past probation")]  # text streams
         assert len(route) == 2 and set(spare).isdisjoint(route), f"the spare serves: {route}"
         return s
 
@@ -75,8 +74,9 @@ class FaultSwarm:
         assert coordinator in route, f"the coordinator {coordinator} serves no stage of {route}"
         return coordinator if fault == "coordinator" else next(p for p in route if p != coordinator)
 
-    def stream(self, fault: str, after: int = 5, max_tokens: int = 40) -> FaultedStream:
-        """A greedy stream of `max_tokens`; `fault` hits its victim once `after` pieces have arrived."""
+    def stream(self, fault: str, after: int = 5, max_tokens: int = 160) -> FaultedStream:
+        """A greedy stream of `max_tokens`; `fault` hits its victim once `after` pieces have arrived (pieces come
+        15 ms apart here: 40 tokens ended 0.35 s after the fifth, sooner than a loaded machine's fault could land)."""
         s, victim = self.served, self.victim(fault)
         # what serve's greedy stream is: the model's own repetition penalty applies (tinycode's is 1.3)
         expected = s.reference(PROMPT, max_tokens, ModelDefaults.read(Path(self.model)).repetition_penalty or 1.0)

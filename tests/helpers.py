@@ -173,15 +173,19 @@ def serve(model: str, join: str, env: dict, log, *extra: str, heartbeat: float =
     return proc, json.loads(line)["url"]
 
 
-def past_probation(health, generate) -> bool:
-    """Whether the route `serve`'s /health shows (`health()`) has no stage on probation; if it has, one more
+def past_probation(health, generate) -> list[dict] | None:
+    """The route `serve`'s /health shows (`health()`) once it has no stage on probation; while it has, one more
     generation through it (`generate()`), which is one more audit passed. A route through stages on probation
     streams its text only once their audits pass (test_audit): for `wait_for`, by tests that need text to stream
-    as it is generated."""
-    if any(hop["on_probation"] for hop in health()["route"]):
+    as it is generated. No route (a re-plan under way) is not past probation: a test read its victim from the
+    next /health and found no stage."""
+    route = health()["route"]
+    if not route:
+        return None
+    if any(hop["on_probation"] for hop in route):
         generate()
-        return False
-    return True
+        return None
+    return route
 
 
 class Seen:
