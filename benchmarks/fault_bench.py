@@ -3,7 +3,7 @@
 
 The swarm of tests/test_faults.py (tests/fault_swarm.py): tinycode's target in two halves on two contributors
 (no replica), the bootstrap holding the coordinator's lease and one half, a spare that joined after the plan.
-Each run starts a fresh swarm, streams 160 greedy tokens with the official openai client, and after 5 pieces:
+Each run starts a fresh swarm, streams 40 greedy tokens with the official openai client, and after 5 pieces:
 - kill: SIGKILLs the stage that is not the coordinator (its connections drop at once);
 - stop: SIGSTOPs it (a laptop lid closed: its connections stay open, nothing answers, it misses heartbeats);
 - coordinator: SIGKILLs the coordinator, which serves the other half (a successor is elected first).

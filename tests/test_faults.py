@@ -1,7 +1,7 @@
 """A stream through `serve` (the official openai client) outlives the faults a real swarm sees, at the production
 heartbeat, with no replica to fail over to: the spare must load the lost half while the stream waits.
 
-Each test: a fresh swarm (tests/fault_swarm.py), a greedy stream of 160 tokens, and the fault after 5 pieces.
+Each test: a fresh swarm (tests/fault_swarm.py), a greedy stream of 40 tokens, and the fault after 5 pieces.
 The stream ends normally and its text is transformers' greedy text, no gap and no repeat.
 """
 from __future__ import annotations
