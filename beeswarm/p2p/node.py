@@ -489,7 +489,10 @@ class Node:
         self.call(self.publish_async, topic, msg)
 
     async def publish_async(self, topic: str, msg: Message) -> None:
-        body = encode(msg)
+        await self.publish_encoded(topic, encode(msg))
+
+    async def publish_encoded(self, topic: str, body: bytes) -> None:
+        """Publish bytes as they are (what a peer can send anyone: tests of hostile gossip publish garbage)."""
         if len(body) > CONTROL_LIMIT:
             raise NodeError(f"pubsub message of {len(body)} bytes exceeds {CONTROL_LIMIT}")
         assert self._pubsub is not None

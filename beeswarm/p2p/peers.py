@@ -26,6 +26,7 @@ class NodeStats:
     known_peers: int  # peers in the peerstore (keys, addresses, protocols)
     inbound_slots: int  # inbound connections py-libp2p counts against its cap (max_connections - min_connections)
     tasks: int  # trio tasks in the node's loop
+    disconnects_remembered: int  # peers py-libp2p's auto-connector remembers dropping (one per vanished peer)
 
 
 class ConnectionWatcher(INotifee):
@@ -119,10 +120,12 @@ async def forget_gone(host: Any, keep: Callable[[], Iterable[str]], every_s: flo
 async def stats(host: Any) -> NodeStats:
     network = host.get_network()
     limiter = getattr(network, "_inbound_limiter", None)
+    remembered = getattr(getattr(network, "auto_connector", None), "_recent_disconnects", ())
     return NodeStats(connected_peers=len(live_peers(host)), connections=len(network.get_connections()),
                      known_peers=len(host.get_peerstore().peer_ids()),
                      inbound_slots=int(limiter.borrowed_tokens) if limiter is not None else 0,
-                     tasks=_count_tasks(trio.lowlevel.current_root_task()))
+                     tasks=_count_tasks(trio.lowlevel.current_root_task()),
+                     disconnects_remembered=len(remembered))
 
 
 async def _close_quietly(conn: Any) -> None:
