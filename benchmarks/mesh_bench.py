@@ -102,8 +102,7 @@ def stop_all(nodes: list[Node]) -> None:
 
 
 def failed(node: Node) -> bool:
-    thread = node._thread
-    return getattr(node, "failure", None) is not None or thread is None or not thread.is_alive()
+    return node.failure is not None or not node.running
 
 
 def per_node(values: list[float]) -> dict:

@@ -1,19 +1,17 @@
-"""A py-libp2p host in its own trio thread, behind a small thread-safe API.
+"""A py-libp2p host in its own trio thread (`loop.LoopThread`), behind a small thread-safe API.
 
-py-libp2p is trio-only while torch workers and Textual live elsewhere, so the node runs trio in a
-thread of its own; methods without `_async` may be called from any thread, the `_async` ones from
-the node's loop. Transport: TCP + Noise (only) + Yamux, one connection per peer. Every stream's
-reader drains into our own buffers so slow compute never stalls a yamux window (py-libp2p resets
-a writer that waits more than 5 s for one). The parts: `transport` (the host), `auth.Gate` (who may be
-served), `requests.Requests` (request/response), `channel.Channel` (framed duplex streams), `topics`
-(gossipsub), `reach` (bootstraps, relays), `peers` (the connection table and peerstore), `supervisor`.
+Methods without `_async` may be called from any thread, the `_async` ones from the node's loop.
+Transport: TCP + Noise (only) + Yamux, one connection per peer. Every stream's reader drains into our
+own buffers so slow compute never stalls a yamux window (py-libp2p resets a writer that waits more
+than 5 s for one). The parts: `transport` (the host), `auth.Gate` (who may be served),
+`requests.Requests` (request/response), `channel.Channel` (framed duplex streams), `topics`
+(gossipsub), `reach` (bootstraps, relays), `peers` (the connection table and peerstore), `loop`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,20 +27,19 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from beeswarm.p2p import addresses, auth, channel, dialback, hardening, logs, peers, reach, topics, transport, tuning
 from beeswarm.p2p.bans import BanList
-from beeswarm.p2p.channel import Channel, reason, within
-from beeswarm.p2p.errors import NodeError, NodeFailed, PeerUnavailable
+from beeswarm.p2p.channel import Channel, within
+from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.identity import Identity
+from beeswarm.p2p.loop import STOP_TIMEOUT_S, LoopThread
 from beeswarm.p2p.peers import NodeStats
 from beeswarm.p2p.reach import NOT_DIALABLE
 from beeswarm.p2p.requests import Handler, Requests
-from beeswarm.p2p.supervisor import supervised
 from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, encode, ids
 from beeswarm.protocol.reach import DialBack, DialedBack
 
 log = logging.getLogger(__name__)
 logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
 
-STOP_TIMEOUT_S = 2.0
 REMEMBER_S = 600  # how long addresses given to `remember_addrs` stay dialable (their peerstore TTL)
 
 
@@ -72,12 +69,7 @@ class Node:
         self._handlers: dict[str, Callable[[Any], Any]] = {}
         self._subscriptions: list[tuple[str, Decoder[Any], Callable[[str, Any], None]]] = []
         self._tasks: list[Callable[[], Any]] = []
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._stop: trio.Event | None = None
-        self._nursery: trio.Nursery | None = None
+        self.loop = LoopThread(self.peer_id)
         self._host: Any = None
         self._pubsub: Pubsub | None = None
         self._relay: CircuitV2Transport | None = None
@@ -89,10 +81,6 @@ class Node:
         self.on_peer_disconnected: list[Callable[[str], None]] = []
         # Peers the peerstore keeps while not connected (membership's members); every other gone peer is forgotten.
         self.keep_known: list[Callable[[], Iterable[str]]] = []
-        # Set when the node's loop ended on an error after it had started (nothing else stops a node but
-        # `stop()`); `on_failure` callbacks then run once, in the node's thread: a process should exit non-zero.
-        self.failure: BaseException | None = None
-        self.on_failure: list[Callable[[BaseException], None]] = []
         # Whether other hosts can dial this node: peers dial it back (dialback.py), and it dials them back.
         self.reachability = dialback.Reachability()
         self.serve(ids.DIALBACK, dialback.DialBackServer(self._direct_ip).answer, dialback.REQUESTS)
@@ -103,33 +91,26 @@ class Node:
     def private(self) -> bool:
         return self.gate.private
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the node's loop ended on its own after it had started (nothing else stops a node but `stop()`)."""
+        return self.loop.failure
+
+    @property
+    def on_failure(self) -> list[Callable[[BaseException], None]]:
+        """Called once, in the node's thread, with `failure`: a process should exit non-zero."""
+        return self.loop.on_failure
+
     # lifecycle --------------------------------------------------------------------------------
     def start(self, timeout: float = 20.0) -> Node:
-        if self._thread is not None:
-            raise NodeError("node already started")
         hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop or wedge the host (hardening.py)
         tuning.install()  # and four of its per-message costs that grow with the swarm, cut (tuning.py)
-        self._thread = threading.Thread(target=self._thread_main, name=f"p2p-{self.peer_id[-6:]}", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            self.stop()
-            raise NodeError(f"node did not start within {timeout} s")
-        if self._error is not None:
-            raise NodeError(f"node failed to start: {self._error}") from self._error
+        self.loop.start(self._main, timeout, on_exit=self._stop_pubsub)
         return self
 
     def stop(self) -> None:
         """Close every connection and end the node's thread (within about 2 s)."""
-        if self._thread is None:
-            return
-        if self._token is not None and self._stop is not None:
-            try:  # (not waiting for the loop to take it: a loop too busy to answer must not hold up the exit)
-                self._token.run_sync_soon(self._stop.set)
-            except trio.RunFinishedError:
-                pass
-        self._thread.join(STOP_TIMEOUT_S + 1)
-        if self._thread.is_alive():
-            log.warning("p2p thread of %s did not end in time", self.peer_id)
+        self.loop.stop()
 
     def __enter__(self) -> Node:
         return self.start()
@@ -137,41 +118,15 @@ class Node:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _thread_main(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as e:  # noqa: BLE001 - report, never crash the process
-            if not self._ready.is_set():
-                self._error = e
-            elif self._stop is not None and self._stop.is_set():  # asked to stop: an untidy exit, not a failure
-                log.warning("p2p node %s stopped with an error: %s", self.peer_id, reason(e))
-            else:
-                self._failed(e)
-        else:
-            if self._ready.is_set() and not (self._stop is not None and self._stop.is_set()):
-                self._failed(NodeError("the node's loop ended without stop()"))
-        finally:
-            if self._pubsub is not None:
-                self._pubsub.seen_messages.stop()  # py-libp2p's cache sweeper thread
-            self._ready.set()
-
-    def _failed(self, error: BaseException) -> None:
-        self.failure = error
-        log.error("p2p node %s stopped on an error", self.peer_id, exc_info=error)
-        for callback in list(self.on_failure):
-            try:
-                callback(error)
-            except Exception:  # noqa: BLE001
-                log.exception("on_failure callback of %s failed", self.peer_id)
+    def _stop_pubsub(self) -> None:
+        if self._pubsub is not None:
+            self._pubsub.seen_messages.stop()  # py-libp2p's cache sweeper thread
 
     def raise_if_failed(self) -> None:
         """Raise NodeFailed (one line: the root cause) if the node's loop ended on an error."""
-        if self.failure is not None:
-            raise NodeFailed(f"the p2p node stopped on an error: {reason(self.failure)}") from self.failure
+        self.loop.raise_if_failed()
 
     async def _main(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        self._stop = trio.Event()
         try:
             listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
             host = transport.new_host(self.identity, self.config.announce, self.config.secret)
@@ -187,7 +142,7 @@ class Node:
         circuits, relay_config = reach.relay_protocol(host, self.config.relay_service)
         with trio.CancelScope() as scope:
             async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self.loop.use(nursery)
                 host.get_network().register_notifee(peers.ConnectionWatcher(self._connected, self._disconnected))
                 host.set_stream_handler(TProtocol(ids.AUTH), self.gate.on_stream)
                 for protocol, wrapped in self._handlers.items():
@@ -204,13 +159,12 @@ class Node:
                     for topic, decoder, callback in self._subscriptions:
                         await self._subscribe(topic, decoder, callback)
                     for addr in self.config.bootstrap:
-                        self._spawn(bootstraps.keep, (addr,), restart=True)
+                        self.loop.spawn(bootstraps.keep, (addr,), restart=True)
                     for task in self._tasks:
-                        self._spawn(task, (), restart=True)
-                    self._spawn(peers.forget_gone, (host, self._kept, self.config.forget_every_s), restart=True)
-                    self._spawn(self.relays.keep, (), restart=True)
-                    self._ready.set()
-                    await self._stop.wait()
+                        self.loop.spawn(task, (), restart=True)
+                    self.loop.spawn(peers.forget_gone, (host, self._kept, self.config.forget_every_s), restart=True)
+                    self.loop.spawn(self.relays.keep, (), restart=True)
+                    await self.loop.serve()
                     scope.deadline = trio.current_time() + STOP_TIMEOUT_S - 0.5
                     nursery.cancel_scope.cancel()  # our tasks end (no re-dial meanwhile), then the connections close
                     with trio.CancelScope(shield=True):
@@ -219,51 +173,24 @@ class Node:
     @property
     def running(self) -> bool:
         """The node's loop runs: started, and neither stopped nor failed."""
-        return self._thread is not None and self._thread.is_alive()
+        return self.loop.running
 
     # the node's loop, from any thread ---------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run async `fn` in the node's loop from another thread and return its result."""
-        if self._token is None or not self._ready.is_set():
-            raise NodeError("node is not running")
-        try:
-            return trio.from_thread.run(fn, *args, trio_token=self._token)
-        except trio.RunFinishedError:
-            self.raise_if_failed()
-            raise NodeError("node has stopped") from None
-        except trio.Cancelled:  # the node's loop cancelled the call: it is stopping
-            raise NodeError("node is stopping") from None
-        except BaseExceptionGroup as e:
-            if e.split(trio.Cancelled)[1] is None:  # nothing but cancellation: the node is stopping
-                raise NodeError("node is stopping") from None
-            raise
+        return self.loop.call(fn, *args)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         """Start async `fn(*args)` in the node's loop (from the loop or any other thread). It runs once: if it
         raises, that is logged and it ends; the node carries on."""
-        self._spawn(fn, args, restart=False)
+        self.loop.spawn(fn, args, restart=False)
 
     def add_task(self, fn: Callable[[], Any]) -> None:
         """Run async `fn()` in the node's loop for the node's lifetime (from start, or now if running); if it
         raises, that is logged and it runs again after a backoff (`supervisor.supervised`)."""
         self._tasks.append(fn)
-        if self._ready.is_set():
-            self._spawn(fn, (), restart=True)
-
-    def _spawn(self, fn: Callable[..., Any], args: tuple[Any, ...], restart: bool) -> None:
-        if self._nursery is None:
-            return
-        start = functools.partial(self._nursery.start_soon, supervised, fn, args, restart, self.peer_id,
-                                  name=getattr(fn, "__qualname__", repr(fn)))
-        try:
-            if threading.current_thread() is self._thread:
-                start()
-            else:
-                trio.from_thread.run_sync(start, trio_token=self._token)
-        except trio.RunFinishedError:
-            pass
-        except RuntimeError as e:  # "Nursery is closed to new arrivals": the node is stopping, nothing to run
-            log.debug("not starting %s: %s", getattr(fn, "__qualname__", fn), e)
+        if self.loop.ready:
+            self.loop.spawn(fn, (), restart=True)
 
     # addresses and connections ----------------------------------------------------------------
     @property
@@ -442,12 +369,9 @@ class Node:
 
     def _set_handler(self, protocol: str, wrapped: Callable[[Any], Any]) -> None:
         self._handlers[protocol] = wrapped
-        if self._host is not None and self._token is not None:
+        if self._host is not None:
             with contextlib.suppress(trio.RunFinishedError):  # the node stopped (a span loaded as it failed)
-                trio.from_thread.run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped,
-                                          trio_token=self._token)
-        elif self._host is not None:
-            self._host.set_stream_handler(TProtocol(protocol), wrapped)
+                self.loop.run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped)
 
     # request / response -----------------------------------------------------------------------
     def serve(self, protocol: str, handler: Handler, requests: Decoder[Any], threads: int | None = None) -> None:
@@ -501,13 +425,13 @@ class Node:
     def subscribe(self, topic: str, messages: Decoder[Any], callback: Callable[[str, Any], None]) -> None:
         """Call `callback(author peer id, message)` in the node's loop for each message; keep it quick."""
         self._subscriptions.append((topic, messages, callback))
-        if self._ready.is_set() and self._token is not None:
+        if self.loop.ready:
             self.call(self._subscribe, topic, messages, callback)
 
     async def _subscribe(self, topic: str, messages: Decoder[Any], callback: Callable[[str, Any], None]) -> None:
-        assert self._pubsub is not None and self._nursery is not None
+        assert self._pubsub is not None
         subscription = await self._pubsub.subscribe(topic)
-        self._spawn(topics.pump, (subscription, topic, messages, callback, self.peer_id, self.strike), restart=True)
+        self.loop.spawn(topics.pump, (subscription, topic, messages, callback, self.peer_id, self.strike), restart=True)
 
 
 @functools.lru_cache(maxsize=8192)
