@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from beeswarm.client.attempts import SwarmGeneration
 from beeswarm.client.remote import Route
-from beeswarm.client.swarm import SwarmClient, SwarmGeneration
+from beeswarm.client.swarm import SwarmClient
 from beeswarm.client.textstream import TextStream, stop_ids
 from beeswarm.generation.sampling import SamplingParams
 
