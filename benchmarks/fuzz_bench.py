@@ -83,7 +83,7 @@ def main() -> int:
         tally = evil.call(hostile.barrage, evil, target.peer_id, args.frames, args.seed, hostile.PROTOCOLS,
                           args.workers, topics)
         seconds = time.monotonic() - t0
-        survived = target.failure is None and target._thread is not None and target._thread.is_alive()
+        survived = target.failure is None and target.running
         tokens = expected = None
         if survived:
             entry_node.connect(target.addrs[0])

@@ -64,7 +64,7 @@ def worker(nodes: int, bootstrap: str | None, interval: float) -> None:
                            for n, _, c in made],
                 "started": len(made),
                 "leaders": [c.lease.leader if c.lease else None for _, _, c in made],
-                "stopped": sum(n.failure is not None or n._thread is None or not n._thread.is_alive()
+                "stopped": sum(n.failure is not None or not n.running
                                for n, _, _ in made),
                 "cpu": time.process_time()}), flush=True)
             time.sleep(1.0)
