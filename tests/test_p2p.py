@@ -410,14 +410,14 @@ def test_a_channel_closed_locally_leaves_no_reader_behind(mesh):
     a, b = mesh(2, members=False, setup=lambda n: n.serve_channel("/test/close/1", served.append))
     a.connect(b.addrs[0])
 
-    def settled_tasks() -> int:
+    counts: list[int] = []
+
+    def steady() -> bool:
         # The connection's own tasks (identify, pubsub's greeting of the new peer) start for a while after the
         # dial: on a loaded machine a count taken at once was 10 short of the settled one, and the test failed
-        counts = [a.stats().tasks]
-        while len(counts) < 3 or len(set(counts[-3:])) > 1:
-            time.sleep(0.3)
-            counts.append(a.stats().tasks)
-        return counts[-1]
+        counts.append(a.stats().tasks)
+        time.sleep(0.3)
+        return len(counts) >= 3 and len(set(counts[-3:])) == 1
 
     def open_send_close(n: int) -> None:
         for _ in range(n):
@@ -426,7 +426,8 @@ def test_a_channel_closed_locally_leaves_no_reader_behind(mesh):
             channel.close()
 
     open_send_close(1)
-    before = settled_tasks()
+    wait_for(steady, 20, "the connection's own tasks to settle")
+    before = counts[-1]
     open_send_close(30)
     # (a few tasks come and go with the connection's own traffic: 30 readers left behind would not)
     wait_for(lambda: a.stats().tasks < before + 10, 10, "the closed channels' readers to end")
