@@ -696,25 +696,31 @@ def status(boot: str, env: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_a_dishonest_contributor_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(tiny_models, tmp_path):
-    """Three contributor processes (new keys all), one returning noise on half its steps, and a spare that joins
-    once they serve. A stream from `serve` at the default audit rate (probation audits a newcomer's sessions
-    whole, by peer auditors) streams transformers' greedy text and nothing else, reports the failed audit, and
-    the coordinator's plan excludes the cheat with the reason, counts the honest stages' passed audits and credits
-    their work, and the cheat forfeits."""
+def test_a_lying_newcomer_holding_the_whole_model_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(
+        tiny_models, tmp_path):
+    """Three honest contributor processes serve the model in three spans (new keys all). Then a newcomer with room
+    for all of it joins, the plan gives it the whole model (a span no other member can hold), and it returns its
+    input unchanged. A stream from `serve` at the default audit rate streams transformers' greedy text and nothing
+    else: the newcomer's session is checked layer by layer by the members serving those layers (its audits used to
+    come back "unchecked" and its tokens reached the user). The coordinator's plan excludes it with the reason,
+    counts the honest stages' passed audits and credits their work, and the liar forfeits."""
     model = str(tiny_models["llama"])
     env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("BEESWARM_IDENTITY", None)
     procs: list = []
+
+    def first_route() -> list[dict] | None:
+        active = (status(boot, env)["plan"] or {}).get("active", [])
+        return active[0]["stages"] if active else None
+
     try:
-        budget = budgets(model, 3)[0]
-        peers, boot = start_contributors(procs, model, 3, budget, env, tmp_path,
-                                         extra_env={1: {ENV: "noise@0.5"}}, logs=tmp_path)
-        cheat = list(peers)[1]
-        route = wait_for(lambda: next((p["stages"] for p in (status(boot, env)["plan"] or {}).get("active", [])
-                                       if len(p["stages"]) == 3), None), 90, "a 3-stage route")
-        assert cheat in [s["node"] for s in route]
-        start_contributors(procs, model, 1, budget, env, tmp_path, join=boot, logs=tmp_path)
+        _, boot = start_contributors(procs, model, 3, budgets(model, 3)[0], env, tmp_path, logs=tmp_path)
+        wait_for(lambda: (route := first_route()) and len(route) == 3, 90, "a 3-stage route")
+        newcomer, _ = start_contributors(procs, model, 1, budgets(model, 1)[0], env, tmp_path, join=boot,
+                                         extra_env={3: {ENV: "identity"}}, logs=tmp_path)
+        (cheat,) = newcomer
+        wait_for(lambda: [s["node"] for s in first_route() or []] == [cheat], 90,
+                 "the newcomer serving the whole model on the first route")
         prompt = "def f(x):"
         tokenizer = AutoTokenizer.from_pretrained(model)
         with open(tmp_path / "serve.log", "w") as log:
