@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from beeswarm.audit import commitments
+from beeswarm.audit.probation import PROBATION_STEPS
 from beeswarm.coordinator import planner, plans
 from beeswarm.coordinator.cluster import ModelShape, Workload
 from beeswarm.coordinator.election import Election, Lease
@@ -443,3 +444,47 @@ def test_a_join_storm_gives_a_few_plans_not_one_per_arrival(contributors):
     # loaded machine (CI builds the bundle beside the suite), so allow two
     wait_for(lambda: all((n.coord.state.term, n.coord.state.epoch) == final for n in everyone),
              2 * REPUBLISH_BEATS * INTERVAL + 5, "every newcomer to hold the current plan")
+
+
+def test_a_stage_on_probation_nobody_could_check_is_planned_around_while_a_plan_without_it_exists():
+    """X is fast but holds one layer, and on the plan that uses it nobody else serves that layer or has room to load
+    it to check X's work: every session through X would be taken back by its entries (an unchecked audit is no
+    pass). The coordinator plans without it, saying why; once a member with room joins (or X's layers are checked
+    often enough elsewhere), X is planned again."""
+    import trio
+
+    from beeswarm.p2p.membership import Membership
+    from beeswarm.p2p.node import Node
+
+    me = identity.ephemeral()
+    node = Node(me)
+    service = Coordinator(PlanFollower(node, Membership(node, NodeInfo(peer=me.peer_id)), interval=1.0), MODEL,
+                          replan_threshold=0.0)
+    service.follower.election.observe(Lease(1, me.peer_id))
+
+    def info(peer: str, memory: int, ms: float) -> NodeInfo:  # on links of 0.2 ms: the fast X pays for its hop
+        return NodeInfo(peer=peer, memory_bytes=memory, state="serving",
+                        bench={"layer_ms_base": ms, "layer_ms_per_token": 0.0},
+                        links={o: (0.2, 1000.0, 1000.0) for o in "ABCX" if o != peer})
+
+    established = {layer: 10 * PROBATION_STEPS for layer in range(8)}
+    service.ledger.merge({"A": established, "B": established})  # X is new
+    view = {"A": info("A", 49_000_000, 1.0), "B": info("B", 49_000_000, 1.0), "X": info("X", 15_000_000, 0.1)}
+
+    def planned(view: dict) -> list[str]:
+        """The nodes of the plan's one pipeline, in order."""
+        trio.run(service.plan_epoch, cluster_from_members(view, MODEL, Workload()), view)
+        (pipeline,) = service.state.target
+        return [s.node for s in pipeline.stages]
+
+    assert planner.plan(cluster_from_members(view, MODEL, Workload())).pipelines[0].stages[0].node == "X"
+    assert sorted(planned(view)) == ["A", "B"]
+    (why,) = [e.reason for e in service.state.excluded if e.node == "X"]
+    assert why == "on probation, and no other member serves its layer 0 or has room to check it"
+    # a slow member with room for a layer joins: it could check X's layer, so X serves again
+    view["C"] = info("C", 25_000_000, 5.0)
+    assert planned(view)[0] == "X" and "X" not in {e.node for e in service.state.excluded}
+    # or X's layers were checked often enough: past probation, nobody need check it on every session
+    del view["C"]
+    service.ledger.merge({"X": established})
+    assert planned(view)[0] == "X" and "X" not in {e.node for e in service.state.excluded}

@@ -33,6 +33,7 @@ import trio
 
 from beeswarm.audit import probation
 from beeswarm.coordinator import plans
+from beeswarm.coordinator.checkable import unchecked_on_probation
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Lease
 from beeswarm.coordinator.follower import PlanFollower
@@ -54,6 +55,7 @@ from beeswarm.protocol.coordinator import (
     assignments,
 )
 from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.spans import Span
 from beeswarm.protocol.step import commit_body
 
 if TYPE_CHECKING:  # the judge recomputes spans (torch): a node without one never imports it
@@ -351,6 +353,30 @@ class Coordinator:
         finally:
             self._planned_input = given()
 
+    def _on_probation(self, node: str, span: Span) -> bool:
+        with self._lock:
+            return self.ledger.least(node, span) < probation.PROBATION_STEPS
+
+    async def _without_unchecked(self, cluster: Cluster, result: Plan) -> tuple[Cluster, Plan]:
+        """`result` planned again without the stages on probation that nobody could check (`checkable`), named in
+        its exclusions, where a plan without them exists; else as it is."""
+        left: dict[str, str] = {}
+        planned = cluster
+        while unchecked := unchecked_on_probation(cluster, result.pipelines, self._on_probation):
+            # (their memory stays in `cluster`: off the plan, they have room to check the others)
+            fewer = replace(cluster, nodes=tuple(n for n in cluster.nodes if n.id not in left | unchecked))
+            try:
+                replanned = await trio.to_thread.run_sync(self.planner, fewer)
+            except PlanError:
+                break
+            if not replanned.pipelines:
+                break
+            left |= unchecked
+            planned, result = fewer, replanned
+        if left:
+            log.info("planned without %d stage(s) on probation nobody could check", len(left))
+        return planned, replace(result, excluded=result.excluded + tuple(Exclusion(n, why) for n, why in left.items()))
+
     async def plan_epoch(self, cluster: Cluster, view: dict[str, NodeInfo], others: tuple[Exclusion, ...] = ()) -> None:
         """Plan `cluster` and publish the result as the next epoch, unless it changes nothing or the lease was
         lost while the planner ran. `others`: the contributors left out for a reason of their own (`left_out`)."""
@@ -359,6 +385,7 @@ class Coordinator:
         except PlanError as e:
             log.warning("cannot plan the swarm yet: %s", e)
             return
+        cluster, result = await self._without_unchecked(cluster, result)
         active, target = next_assignment(cluster, result.pipelines, result.tokens_per_s, self.state, view,
                                          self.replan_threshold)
         with self._lock:
