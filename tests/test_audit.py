@@ -410,14 +410,19 @@ def test_an_honest_whole_model_newcomer_passes_every_layer_by_pieces_and_earns_i
 
 def test_a_piece_nobody_serves_is_spot_checked_by_the_entry_as_a_last_resort(mesh, tiny_llama):
     """Members serve layers 0-5 only: layers 5-8 go to the entry's own layers, one at a time (the last resort);
-    a liar in them is caught all the same."""
+    a liar in them is caught all the same. The members asked for those layers answer they have no room, and are
+    not asked again: the audit waits out no rounds (it waited 4 s a piece for them: a swarm of members with no
+    room to spare served 9 s generations, every one of them waiting for its audits)."""
     pipe, auditor, server, seen = whole_model_newcomer(mesh, tiny_llama, Fault("noise"), spot_here=True)
     everyone = auditor.runner.candidates
     auditor.runner.candidates = lambda stage: Candidates({p: s for p, s in everyone(stage).serving.items()
                                                           if s.end <= 5})
+    pauses: list[float] = []
+    auditor.runner.sleep = pauses.append
     session, _ = run(pipe, PROMPTS[0], 6)
     assert auditor.settle([session]) == {server.node.peer_id}
     assert seen.sent[0].piece == Span(7, 8) and seen.sent[0].accuser == pipe.node.peer_id
+    assert pauses == []
 
 
 class AccusingAuditor(PeerAuditService):

@@ -48,6 +48,7 @@ from beeswarm.protocol.audit import (
     commits_digest,
 )
 from beeswarm.protocol.encoding import Decoder
+from beeswarm.shard.errors import ShardError
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,10 @@ class PeerAuditService:
             return Audited(verdict(True))
         if not self.node.knows(c.stage):  # a newcomer whose view has not brought it the stage yet: not its refusal
             return ErrorReply(error=f"this auditor knows no address for {c.stage} yet", busy=True)
+        try:  # the layers first: no room for them here is known before the stage encodes a reveal for nothing
+            self.runtime_for(layers)
+        except (ShardError, OSError, ValueError, MemoryError) as e:  # not busy: asked again, it cannot either
+            return ErrorReply(error=f"this auditor cannot recompute layers {layers}: {e}")
         try:
             revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c,
                                                                     piece=c.piece),
@@ -127,7 +132,7 @@ class PeerAuditService:
                 examined = examine(c.entry, commits, revealed, self.runtime_for, self.node.config.max_tensor_bytes,
                                    complete=True, unobserved=frozenset(ask.unobserved), boundaries=ask.boundaries)
         except CannotRecompute as e:  # not the stage's fault: the entry asks another auditor
-            return ErrorReply(error=f"this auditor cannot recompute layers {layers}: {e}", busy=True)
+            return ErrorReply(error=f"this auditor cannot recompute layers {layers}: {e}")
         except NodeError as e:  # no link to it (no answer of its own, so no refusal): the entry asks another auditor
             return ErrorReply(error=f"this auditor cannot reach {c.stage}: {e}", busy=True)
         except (RemoteError, TimeoutError, RevealRefused) as e:

@@ -222,14 +222,17 @@ class AuditRunner:
             return AuditAsk(commission=commission, commits=audit.commits, unobserved=tuple(sorted(audit.unobserved)),
                             boundaries=boundaries)
 
-        if not any(tiers):  # nobody to ask (a swarm of one contributor): no rounds to wait out
-            return None
-        first = self._peer_audit(ask, tiers)
-        for pause in AGAIN_S[:rounds - 1]:  # busy, or gone (a member killed meanwhile is drawn until it leaves)
+        declined: set[str] = set()  # auditors that answered they cannot (no room for the layers): not asked again
+        first = None
+        for pause in (0.0, *AGAIN_S[:rounds - 1]):  # busy, or gone (a member killed meanwhile is drawn until it leaves)
+            tiers = [[p for p in tier if p not in declined] for tier in tiers]
+            if not any(tiers):  # nobody (left) to ask, a swarm of one contributor say: no rounds to wait out
+                return None
+            if pause:
+                self.sleep(pause)
+            first = self._peer_audit(ask, tiers, declined)
             if first is not None:
                 break
-            self.sleep(pause)
-            first = self._peer_audit(ask, tiers)
         if first is None:
             return None
         auditor, answer = first
@@ -245,8 +248,10 @@ class AuditRunner:
                 return Fail(evidence, f"auditor {second[0]}, after {auditor} passed it", evidence.detail, against)
         return _Checked(answer.verdict.share)
 
-    def _peer_audit(self, ask: Callable[[str], AuditAsk], tiers: list[list[str]]) -> tuple[str, Audited] | None:
-        """(auditor, its answer) from an auditor drawn at random, tier by tier, up to PEER_TRIES asked."""
+    def _peer_audit(self, ask: Callable[[str], AuditAsk], tiers: list[list[str]],
+                    declined: set[str] | None = None) -> tuple[str, Audited] | None:
+        """(auditor, its answer) from an auditor drawn at random, tier by tier, up to PEER_TRIES asked; those that
+        answer they cannot (an error, not busy) are added to `declined`."""
         tried = 0
         for tier in tiers:
             tier = list(tier)
@@ -260,7 +265,11 @@ class AuditRunner:
                 except ProtocolError as e:
                     self.node.bans.strike(auditor, str(e), severe=True)
                     log.warning("auditor %s: %s", auditor, e)
-                except (RemoteError, NodeError, TimeoutError) as e:
+                except RemoteError as e:
+                    if not e.busy and declined is not None:
+                        declined.add(auditor)
+                    log.info("auditor %s could not audit: %s", auditor, e)
+                except (NodeError, TimeoutError) as e:
                     log.info("auditor %s could not audit: %s", auditor, e)
         return None
 
