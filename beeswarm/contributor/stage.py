@@ -33,6 +33,7 @@ from beeswarm.audit import commitments
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.contributor import admission
+from beeswarm.contributor.batching import Batching
 from beeswarm.contributor.chain import CommitmentChain, PreviousLied
 from beeswarm.p2p.channel import Channel, ChannelPool, Outbox
 from beeswarm.p2p.errors import NodeError
@@ -48,7 +49,6 @@ from beeswarm.shard.span import SpanRuntime, StepInput
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 16
 MAX_SESSIONS_PER_PEER = 64
 REVEAL_THREADS = 2  # reveals encoded at once (a long session's reveal is megabytes: off the shared pool)
 KEPT_CODECS = 64  # link codecs kept for peers no session uses now (their adaptive layout and rates learnt)
@@ -118,8 +118,8 @@ class StageServer:
         self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
         self.sessions: dict[str, _Session] = {}
         self._opening: dict[str, int] = {}  # sessions being allocated -> the KV bytes reserved for them
-        self.steps = self.tokens = 0  # written by the compute thread only
-        self.compute_s = 0.0  # seconds its layers computed
+        self.tokens = 0  # positions computed, written by the compute thread only
+        self.batching = Batching()  # what a pass takes, and its figures (steps, passes, compute_s)
         self._queue: queue.Queue[_Step | None] = queue.Queue()
         self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are not computed
         self._pending: collections.deque[_Step] = collections.deque()  # taken off the queue, not run: arrival order
@@ -210,9 +210,14 @@ class StageServer:
         """Steps and tokens computed; bytes as the links' codecs counted them."""
         with self._lock:
             links, old = list(self._codecs.values()), self._retired
-        return Traffic(self.steps, self.tokens, old.raw_in + sum(c.raw_in for c in links),
+        return Traffic(self.batching.steps, self.tokens, old.raw_in + sum(c.raw_in for c in links),
                        old.wire_in + sum(c.wire_in for c in links), old.raw_out + sum(c.raw_bytes for c in links),
                        old.wire_out + sum(c.wire_bytes for c in links))
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds its layers computed."""
+        return self.batching.compute_s
 
     @property
     def queued(self) -> int:
@@ -338,21 +343,46 @@ class StageServer:
                     continue
                 if first is None:
                     return
-                pending.append(first)
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    return
-                pending.append(item)
+                self._take(first)
+            if not self._take_arrived() or not self._wait_for_more():
+                return
             self._run_batch(self._next_batch(pending))
 
+    def _take(self, item: _Step) -> None:
+        self._pending.append(item)
+        self.batching.arrived(item.key, time.perf_counter())
+
+    def _take_arrived(self, timeout: float = 0.0) -> bool:
+        """Take what has arrived (waiting up to `timeout` for the first); False once the stage stops."""
+        while True:
+            try:
+                item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            self._take(item)
+            timeout = 0.0
+
+    def _wait_for_more(self) -> bool:
+        """Wait for the steps `batching` says are due (a compute-bound stage holding fewer sessions than it could
+        batch); False once the stage stops."""
+        in_hand = {item.key for item in self._pending}
+        wait = self.batching.wait_for(in_hand, time.perf_counter())
+        if wait is None:
+            return True
+        had = len(in_hand)
+        while (left := wait.until - time.perf_counter()) > 0 and not wait.sessions <= in_hand:
+            if not self._take_arrived(left):
+                return False
+            in_hand = {item.key for item in self._pending}
+        self.batching.waited(len(in_hand) - had)
+        return True
+
     def _next_batch(self, pending: collections.deque[_Step]) -> list[_Step]:
-        """The first pending step of each session (up to MAX_BATCH sessions), taken out of `pending`; a session's
-        later steps wait there, in order, for the next batches. A cancelled or held step first in its session's
-        line is not computed: its cache edits are applied here, in its turn, and it is passed on."""
+        """The first pending step of each session (up to `batching.max_batch` sessions), taken out of `pending`; a
+        session's later steps wait there, in order, for the next batches. A cancelled or held step first in its
+        session's line is not computed: its cache edits are applied here, in its turn, and it is passed on."""
         batch: list[_Step] = []
         waiting: set[str] = set()  # sessions with a step in the batch or still pending before this one
         left: collections.deque[_Step] = collections.deque()
@@ -361,7 +391,7 @@ class StageServer:
                 left.append(item)
             elif item.msg.held or self._cancelled_step(item):
                 self._hold(item)
-            elif len(batch) < MAX_BATCH:
+            elif len(batch) < self.batching.max_batch:
                 batch.append(item)
                 waiting.add(item.key)
             else:
@@ -387,14 +417,18 @@ class StageServer:
                 self._fail(item, str(e), stale=True)
             except (ProtocolError, SessionError, codec.CodecError) as e:
                 self._fail(item, str(e))
-        for runtime, steps in ready.items():
+        passes = [[steps[i] for i in group] for steps in ready.values()
+                  for group in self.batching.passes_for([x.hidden.shape[0] for _, _, x in steps])]
+        for steps in passes:
+            runtime = steps[0][1].runtime
             outputs: Sequence[torch.Tensor | None]
             t0 = time.perf_counter()
             try:
                 outputs = runtime.step([x for _, _, x in steps])
             except SessionError:
                 outputs = [self._step_alone(runtime, item, step) for item, _, step in steps]  # find the bad one
-            self.compute_s += time.perf_counter() - t0
+            padded = len(steps) * max(x.hidden.shape[0] for _, _, x in steps)  # a pass pads each to its longest
+            self.batching.ran(len(steps), padded, t0, time.perf_counter())
             for (item, session, step), out in zip(steps, outputs):
                 if out is not None:
                     if self.fault is not None:
@@ -402,7 +436,6 @@ class StageServer:
                     out = out.detach().to("cpu")
                     self._forward(item, session, out, self._commit(item, session, step, out))
                     self.tokens += step.hidden.shape[0]
-            self.steps += len(steps)
 
     def _step_alone(self, runtime: SpanRuntime, item: _Step, step: StepInput) -> torch.Tensor | None:
         try:
