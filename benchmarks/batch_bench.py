@@ -12,7 +12,9 @@ process, each computing on `--threads` threads. `--users` sessions generate `--t
 
 Figures per mode: the aggregate (all new tokens over the wall time from the first request to the last token), per
 user tokens/s (median, worst), the time to first token (median, worst), steps per pass at each stage, and each
-stage's share of the time computing; every user's tokens are checked equal across modes (a batch changes no token).
+stage's share of the time computing. In float32 every user's tokens must be equal across modes (a batch changes no
+token); in bfloat16 the kernels' rounding depends on the batch's shape, and the share of users whose tokens are
+equal in every mode is reported.
 
     python benchmarks/batch_bench.py [--users 8] [--tokens 16] [--stages 2] [--dtype bfloat16] [--threads 1]
                                      [--modes one batched window] [--json]
@@ -56,7 +58,7 @@ def run_mode(folder: Path, mode: str, args) -> dict:
     try:
         for node, span in zip(stage_nodes, spans):
             server = StageServer(node, SpanRuntime(folder, span, args.dtype, "cpu"))
-            server.batching = MODES[mode]()
+            server.queue.batching = MODES[mode]()
             servers.append(server.start())
         for node in stage_nodes:
             entry_node.connect(node.addrs[0])
@@ -69,7 +71,7 @@ def run_mode(folder: Path, mode: str, args) -> dict:
         generate(lambda t, s: pipe.forward(session, t, s), prompts[0][:4], 2, SamplingParams())
         pipe.close_session(session)
         for server in servers:
-            server.batching = MODES[mode]()  # the figures start here
+            server.queue.batching = MODES[mode]()  # the figures start here
         tokens: dict[int, list[int]] = {}
         ended: dict[int, float] = {}
         first: dict[int, float] = {}
@@ -95,8 +97,8 @@ def run_mode(folder: Path, mode: str, args) -> dict:
             "per_user_median": round(statistics.median(per_user), 3), "per_user_worst": round(per_user[0], 3),
             "wall_s": round(wall, 2), "first_token_s_median": round(statistics.median(first.values()) - t0, 2),
             "first_token_s_worst": round(max(first.values()) - t0, 2),
-            "steps_per_pass": [round(s.batching.steps / max(1, s.batching.passes), 2) for s in servers],
-            "computing_share": [round(s.batching.compute_s / wall, 3) for s in servers],
+            "steps_per_pass": [round(s.queue.batching.steps / max(1, s.queue.batching.passes), 2) for s in servers],
+            "computing_share": [round(s.queue.batching.compute_s / wall, 3) for s in servers],
             "tokens": [tokens[u] for u in range(args.users)],
         }
     finally:
@@ -128,15 +130,17 @@ def main() -> None:
             print(json.dumps({k: v for k, v in result.items() if k != "tokens"}), file=sys.stderr, flush=True)
             results.append(result)
     same = all(r["tokens"] == results[0]["tokens"] for r in results)
+    agree = min(sum(a == b for a, b in zip(r["tokens"], results[0]["tokens"])) for r in results) / args.users
     one = next((r for r in results if r["mode"] == "one"), None)
     summary = {"users": args.users, "tokens": args.tokens, "stages": args.stages, "layers": args.layers,
                "threads": args.threads, "dtype": args.dtype, "same_tokens_in_every_mode": same,
+               "users_with_the_same_tokens_in_every_mode": agree,
                "modes": [{k: v for k, v in r.items() if k != "tokens"} for r in results]}
     if one is not None:
         summary["vs_one_at_a_time"] = {r["mode"]: round(r["aggregate_tokens_per_s"] / one["aggregate_tokens_per_s"], 2)
                                        for r in results}
     print(json.dumps(summary, indent=None if args.json else 2))
-    if not same:
+    if not same and args.dtype == "float32":  # bf16's rounding depends on the batch's shape (BENCHMARKS.md)
         sys.exit("a mode changed some user's tokens")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,8 +32,8 @@ from beeswarm.audit import commitments
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.contributor import admission
-from beeswarm.contributor.batching import Batching
 from beeswarm.contributor.chain import CommitmentChain, PreviousLied
+from beeswarm.contributor.step_queue import QueuedStep, StepQueue
 from beeswarm.p2p.channel import Channel, ChannelPool, Outbox
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
@@ -88,18 +87,6 @@ class Traffic:
     wire_out: int
 
 
-@dataclass
-class _Step:
-    sender: str
-    msg: Step
-    context: bytes = b""  # digests of its arguments and input hidden states, for its commitment
-    input: bytes = b""
-
-    @property
-    def key(self) -> str:
-        return f"{self.msg.entry}/{self.msg.session}"
-
-
 class StageServer:
     def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
                  link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None,
@@ -119,10 +106,7 @@ class StageServer:
         self.sessions: dict[str, _Session] = {}
         self._opening: dict[str, int] = {}  # sessions being allocated -> the KV bytes reserved for them
         self.tokens = 0  # positions computed, written by the compute thread only
-        self.batching = Batching()  # what a pass takes, and its figures (steps, passes, compute_s)
-        self._queue: queue.Queue[_Step | None] = queue.Queue()
-        self._cancelled: dict[str, int] = {}  # session key -> its steps before this one are not computed
-        self._pending: collections.deque[_Step] = collections.deque()  # taken off the queue, not run: arrival order
+        self.queue = StepQueue()  # steps arrived and not run, and what a pass takes
         self._out = Outbox(ChannelPool(node.open_channel))  # the compute thread never waits on a peer
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
         # per peer a session links to, most recently used last: what a link's codec learnt outlives a session (an
@@ -149,7 +133,7 @@ class StageServer:
         return self
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self.queue.stop()
         if self._worker is not None:
             self._worker.join(10)
         self._out.close()
@@ -210,19 +194,19 @@ class StageServer:
         """Steps and tokens computed; bytes as the links' codecs counted them."""
         with self._lock:
             links, old = list(self._codecs.values()), self._retired
-        return Traffic(self.batching.steps, self.tokens, old.raw_in + sum(c.raw_in for c in links),
+        return Traffic(self.queue.batching.steps, self.tokens, old.raw_in + sum(c.raw_in for c in links),
                        old.wire_in + sum(c.wire_in for c in links), old.raw_out + sum(c.raw_bytes for c in links),
                        old.wire_out + sum(c.wire_bytes for c in links))
 
     @property
     def compute_s(self) -> float:
         """Seconds its layers computed."""
-        return self.batching.compute_s
+        return self.queue.batching.compute_s
 
     @property
     def queued(self) -> int:
         """Steps arrived and not run yet."""
-        return self._queue.qsize() + len(self._pending)
+        return len(self.queue)
 
     @property
     def busy(self) -> bool:
@@ -247,7 +231,7 @@ class StageServer:
                 self._free_unused()
             if session is None:
                 return ErrorReply(error=f"unknown session {msg.session!r}")
-            self._cancelled.pop(key, None)
+            self.queue.forget(key)
             session.runtime.close(key)
             self.step_log.end(key)
             log.info("session %s of %s closed: served %d layer-tokens paid by %s", msg.session, peer, session.served,
@@ -312,7 +296,7 @@ class StageServer:
                 del self.sessions[s.key]
             self._free_unused()
         for s in stale:
-            self._cancelled.pop(s.key, None)
+            self.queue.forget(s.key)
             log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)
             s.runtime.close(s.key)
             self.step_log.end(s.key)
@@ -324,89 +308,21 @@ class StageServer:
     def _on_step_frame(self, channel: Channel, body: bytes) -> None:
         """In the node's loop: check the step's form and queue it for the compute thread. A step that cancels
         its session's earlier ones (from the session's own previous hop) drops those still queued."""
-        item = _Step(channel.peer, self._steps.decode(body))
-        if item.msg.cancel:
-            session = self.sessions.get(item.key)
-            if session is not None and session.prev == item.sender:
-                self._cancelled[item.key] = item.msg.step
-        self._queue.put(item)
+        item = QueuedStep(channel.peer, self._steps.decode(body))
+        session = self.sessions.get(item.key) if item.msg.cancel else None
+        self.queue.put(item, cancels=session is not None and session.prev == item.sender)
 
     def _compute_loop(self) -> None:
         codec.warm_up()  # calibrate the codec before the first step rather than during it
-        pending = self._pending
-        while True:
-            if not pending:
-                try:
-                    first = self._queue.get(timeout=min(60.0, self.idle_timeout_s / 4))
-                except queue.Empty:
-                    self._expire_idle()
-                    continue
-                if first is None:
-                    return
-                self._take(first)
-            if not self._take_arrived() or not self._wait_for_more():
-                return
-            self._run_batch(self._next_batch(pending))
-
-    def _take(self, item: _Step) -> None:
-        self._pending.append(item)
-        self.batching.arrived(item.key, time.perf_counter())
-
-    def _take_arrived(self, timeout: float = 0.0) -> bool:
-        """Take what has arrived (waiting up to `timeout` for the first); False once the stage stops."""
-        while True:
-            try:
-                item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                return True
-            if item is None:
-                return False
-            self._take(item)
-            timeout = 0.0
-
-    def _wait_for_more(self) -> bool:
-        """Wait for the steps `batching` says are due (a compute-bound stage holding fewer sessions than it could
-        batch); False once the stage stops."""
-        in_hand = {item.key for item in self._pending}
-        wait = self.batching.wait_for(in_hand, time.perf_counter())
-        if wait is None:
-            return True
-        had = len(in_hand)
-        while (left := wait.until - time.perf_counter()) > 0 and not wait.sessions <= in_hand:
-            if not self._take_arrived(left):
-                return False
-            in_hand = {item.key for item in self._pending}
-        self.batching.waited(len(in_hand) - had)
-        return True
-
-    def _next_batch(self, pending: collections.deque[_Step]) -> list[_Step]:
-        """The first pending step of each session (up to `batching.max_batch` sessions), taken out of `pending`; a
-        session's later steps wait there, in order, for the next batches. A cancelled or held step first in its
-        session's line is not computed: its cache edits are applied here, in its turn, and it is passed on."""
-        batch: list[_Step] = []
-        waiting: set[str] = set()  # sessions with a step in the batch or still pending before this one
-        left: collections.deque[_Step] = collections.deque()
-        for item in pending:
-            if item.key in waiting:
-                left.append(item)
-            elif item.msg.held or self._cancelled_step(item):
+        while (taken := self.queue.next_pass(idle_s=min(60.0, self.idle_timeout_s / 4))) is not None:
+            if not taken.compute and not taken.hold:
+                self._expire_idle()
+            for item in taken.hold:
                 self._hold(item)
-            elif len(batch) < self.batching.max_batch:
-                batch.append(item)
-                waiting.add(item.key)
-            else:
-                left.append(item)
-                waiting.add(item.key)
-        pending.clear()
-        pending.extend(left)
-        return batch
+            self._run_batch(taken.compute)
 
-    def _cancelled_step(self, item: _Step) -> bool:
-        """A later step of its session cancelled it before it ran."""
-        return item.msg.step < self._cancelled.get(item.key, -1)
-
-    def _run_batch(self, batch: list[_Step]) -> None:
-        ready: dict[SpanRuntime, list[tuple[_Step, _Session, StepInput]]] = {}
+    def _run_batch(self, batch: list[QueuedStep]) -> None:
+        ready: dict[SpanRuntime, list[tuple[QueuedStep, _Session, StepInput]]] = {}
         for item in batch:
             try:
                 prepared = self._prepare(item)
@@ -418,7 +334,7 @@ class StageServer:
             except (ProtocolError, SessionError, codec.CodecError) as e:
                 self._fail(item, str(e))
         passes = [[steps[i] for i in group] for steps in ready.values()
-                  for group in self.batching.passes_for([x.hidden.shape[0] for _, _, x in steps])]
+                  for group in self.queue.batching.passes_for([x.hidden.shape[0] for _, _, x in steps])]
         for steps in passes:
             runtime = steps[0][1].runtime
             outputs: Sequence[torch.Tensor | None]
@@ -428,7 +344,7 @@ class StageServer:
             except SessionError:
                 outputs = [self._step_alone(runtime, item, step) for item, _, step in steps]  # find the bad one
             padded = len(steps) * max(x.hidden.shape[0] for _, _, x in steps)  # a pass pads each to its longest
-            self.batching.ran(len(steps), padded, t0, time.perf_counter())
+            self.queue.batching.ran(len(steps), padded, t0, time.perf_counter())
             for (item, session, step), out in zip(steps, outputs):
                 if out is not None:
                     if self.fault is not None:
@@ -437,14 +353,14 @@ class StageServer:
                     self._forward(item, session, out, self._commit(item, session, step, out))
                     self.tokens += step.hidden.shape[0]
 
-    def _step_alone(self, runtime: SpanRuntime, item: _Step, step: StepInput) -> torch.Tensor | None:
+    def _step_alone(self, runtime: SpanRuntime, item: QueuedStep, step: StepInput) -> torch.Tensor | None:
         try:
             return runtime.step([step])[0]
         except SessionError as e:
             self._fail(item, str(e))
             return None
 
-    def _prepare(self, item: _Step) -> tuple[_Step, _Session, StepInput]:
+    def _prepare(self, item: QueuedStep) -> tuple[QueuedStep, _Session, StepInput]:
         msg = item.msg
         session = self._session_of(item)
         hidden = tensors.decode(msg.frame, self.link(item.sender), self.node.config.max_tensor_bytes)
@@ -457,13 +373,13 @@ class StageServer:
         session.last_used = self.clock()
         return item, session, StepInput(session.key, hidden, msg.start, mask)
 
-    def _session_of(self, item: _Step) -> _Session:
+    def _session_of(self, item: QueuedStep) -> _Session:
         session = self.sessions.get(item.key)
         if session is None or session.prev != item.sender:
             raise SessionError(f"unknown session {item.msg.session!r} (or not from its previous hop)")
         return session
 
-    def _apply_keep(self, item: _Step, session: _Session) -> None:
+    def _apply_keep(self, item: QueuedStep, session: _Session) -> None:
         """The step's keep (the last speculative round's accepted path), once the session's cache is in the state
         the entry assumed for it: anything else would run the step on a cache the entry never meant."""
         msg = item.msg
@@ -475,7 +391,7 @@ class StageServer:
             session.runtime.keep(session.key, msg.keep.start, list(msg.keep.indices))
             session.keeps += 1
 
-    def _hold(self, item: _Step) -> None:
+    def _hold(self, item: QueuedStep) -> None:
         """A step cancelled before it ran (or passed on held by an earlier stage): compute nothing, but apply its
         keep and hold its positions, as every stage of the route does in the same turn, and pass it on."""
         msg = item.msg
@@ -497,12 +413,12 @@ class StageServer:
                                                                                  held=positions)),
                            lambda e: self._fail(item, f"cannot reach the next stage: {e}", culprit=session.next))
 
-    def _commit(self, item: _Step, session: _Session, step: StepInput, out: torch.Tensor) -> Commit:
+    def _commit(self, item: QueuedStep, session: _Session, step: StepInput, out: torch.Tensor) -> Commit:
         session.served += len(session.runtime.span) * step.hidden.shape[-2]
         return self.chain.commit(session.entry, session.session, session.key, session.runtime.span, item.msg,
                                  item.context, item.input, step.hidden.detach().to("cpu"), out)
 
-    def _forward(self, item: _Step, session: _Session, out: torch.Tensor, commit: Commit) -> None:
+    def _forward(self, item: QueuedStep, session: _Session, out: torch.Tensor, commit: Commit) -> None:
         layout = "auto" if session.compress else "raw"
         target = session.entry if session.next is None else session.next
         frame = tensors.encode(out, self.link(target), layout)
@@ -521,7 +437,7 @@ class StageServer:
 
         self._out.send(target, protocol, encode(reply), failed)
 
-    def _fail(self, item: _Step, error: str, culprit: str | None = None, stale: bool = False) -> None:
+    def _fail(self, item: QueuedStep, error: str, culprit: str | None = None, stale: bool = False) -> None:
         log.info("step %s of %s failed: %s", item.msg.step, item.key, error)
         reply = StepError(session=item.msg.session, step=item.msg.step, error=error[:500],
                           culprit=culprit or self.node.peer_id, stale=stale)
