@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -701,31 +702,40 @@ def status(boot: str, env: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_a_lying_newcomer_holding_the_whole_model_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(
+def test_a_lying_newcomer_holding_a_span_nobody_else_can_hold_is_caught_excluded_swarm_wide_and_the_reply_stays_honest(
         tiny_models, tmp_path):
-    """Three honest contributor processes serve the model in three spans (new keys all). Then a newcomer with room
-    for all of it joins, the plan gives it the whole model (a span no other member can hold), and it returns its
-    input unchanged. A stream from `serve` at the default audit rate streams transformers' greedy text and nothing
-    else: the newcomer's session is checked layer by layer by the members serving those layers (its audits used to
-    come back "unchecked" and its tokens reached the user). The coordinator's plan excludes it with the reason,
-    counts the honest stages' passed audits and credits their work, and the liar forfeits."""
+    """A newcomer with room for the whole model joins an honest bootstrap with room for a third of it (new keys
+    all), is given more layers than any other member can hold (all of them, or all the bootstrap does not serve),
+    and returns its input unchanged; two more honest contributors join, each with room for a third. A stream from
+    `serve` at the default audit rate streams transformers' greedy text and nothing else: the newcomer's session is
+    checked layer by layer by members loading one layer each (its audits used to come back "unchecked" and its
+    tokens reached the user). The coordinator's plan excludes it with the reason, counts the honest stages' passed
+    audits and credits their work, and the liar forfeits."""
     model = str(tiny_models["llama"])
     env = {**os.environ, "BEESWARM_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("BEESWARM_IDENTITY", None)
     procs: list = []
+    third = budgets(model, 3)[0]
 
-    def first_route() -> list[dict] | None:
-        active = (status(boot, env)["plan"] or {}).get("active", [])
-        return active[0]["stages"] if active else None
+    def looked() -> dict:
+        time.sleep(1)  # each look is a `status` process joining the mesh: not back to back
+        return status(boot, env)
 
     try:
-        _, boot = start_contributors(procs, model, 3, budgets(model, 3)[0], env, tmp_path, logs=tmp_path)
-        wait_for(lambda: (route := first_route()) and len(route) == 3, 90, "a 3-stage route")
+        _, boot = start_contributors(procs, model, 1, third, env, tmp_path, logs=tmp_path)  # it cannot plan alone
         newcomer, _ = start_contributors(procs, model, 1, budgets(model, 1)[0], env, tmp_path, join=boot,
-                                         extra_env={3: {ENV: "identity"}}, logs=tmp_path)
+                                         extra_env={1: {ENV: "identity"}}, logs=tmp_path)
         (cheat,) = newcomer
-        wait_for(lambda: [s["node"] for s in first_route() or []] == [cheat], 90,
-                 "the newcomer serving the whole model on the first route")
+
+        def held_by_the_newcomer() -> int:
+            """The layers of the first route the newcomer serves."""
+            stages = ((looked()["plan"] or {}).get("active") or [{"stages": []}])[0]["stages"]
+            return sum(s["end"] - s["start"] for s in stages if s["node"] == cheat)
+
+        wait_for(lambda: held_by_the_newcomer() > 3, 90, "the newcomer serving more than another member can hold")
+        start_contributors(procs, model, 2, third, env, tmp_path, join=boot, logs=tmp_path)
+        wait_for(lambda: sum(m["role"] == "contributor" and m["state"] != "leaving" for m in looked()["members"])
+                 == 4, 90, "the four contributors in the swarm's view")
         prompt = "def f(x):"
         tokenizer = AutoTokenizer.from_pretrained(model)
         with open(tmp_path / "serve.log", "w") as log:

@@ -13,6 +13,7 @@ from beeswarm.p2p.channel import Channel
 from beeswarm.p2p.errors import ChannelClosed
 from beeswarm.p2p.node import Node
 from beeswarm.protocol import Decoder, ProtocolError, encode, ids
+from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.probe import MAX_BULK, Download, Ping, Pong, Upload, Uploaded
 
 if TYPE_CHECKING:
@@ -89,13 +90,26 @@ class Prober:
                      on_progress: Callable[[str, int, int, str | None], None] | None = None) -> threading.Thread:
         """Probe every member in a background thread and publish the figures in this node's heartbeat.
 
-        Each pair is measured again after `every_s`; the planner reads them as `rtt_ms`/`up`/`down`.
-        `on_progress(peer, done, total, error)` follows each probe's parts (pings, upload, download).
+        Each pair is measured again after `every_s`; the planner reads them as `rtt_ms`/`up`/`down`. One probe at a
+        time, the most wanted first: contributors before clients (the planner prices contributors' links only; a
+        contributor joining waited behind probes of `status` clients that came and went), the never measured before
+        the stale. `on_progress(peer, done, total, error)` follows each probe's parts (pings, upload, download).
         """
         report = on_progress or (lambda peer, done, total, error: None)
         stop = stop or threading.Event()
 
         failed: dict[str, float] = {}  # peer -> when its last probe failed: tried again only after `every_s`
+
+        def wanted(view: dict[str, NodeInfo]) -> str | None:
+            now = time.monotonic()
+            due = [p for p in view if now - failed.get(p, -every_s) >= every_s and
+                   ((hit := self.cached(p)) is None or hit.age_s >= every_s)]
+            return min(due, key=lambda p: (view[p].role != "contributor", self.cached(p) is not None), default=None)
+
+        def publish(view: dict[str, NodeInfo]) -> None:
+            links = {p: (round(x.rtt_ms, 3), round(x.up_mbps, 1), round(x.down_mbps, 1))
+                     for p, x in self.all().items() if p in view}
+            members.update(links=links)
 
         def loop() -> None:
             while not stop.is_set():
@@ -106,26 +120,25 @@ class Prober:
                 with self._lock:  # a member that left is forgotten once its figures are stale
                     for peer in [p for p, x in self._cache.items() if p not in view and x.age_s > self.max_age_s]:
                         del self._cache[peer]
-                for peer in view:
-                    hit = self.cached(peer)
-                    if stop.is_set() or hit is not None and hit.age_s < every_s \
-                            or time.monotonic() - failed.get(peer, -every_s) < every_s:
-                        continue
+                target = wanted(view)
+                if target is None:  # every member measured: publish, and look again in a while
+                    publish(view)
+                    stop.wait(min(every_s / 4, 5.0))
+                    continue
 
-                    def part_done(done: int, p: str = peer) -> None:
-                        report(p, done, PROBE_PARTS, None)
+                def part_done(done: int, p: str = target) -> None:
+                    report(p, done, PROBE_PARTS, None)
 
-                    try:
-                        report(peer, 0, PROBE_PARTS, None)
-                        self.probe(peer, bulk_bytes=bulk_bytes, refresh=True, on_part=part_done)
-                    except Exception as e:  # noqa: BLE001 - a peer that went away, serves no probes, or our node stopping
-                        log.debug("probe of %s failed: %s", peer, e)
-                        failed[peer] = time.monotonic()
-                        report(peer, 0, PROBE_PARTS, str(e) or type(e).__name__)
-                links = {p: (round(x.rtt_ms, 3), round(x.up_mbps, 1), round(x.down_mbps, 1))
-                         for p, x in self.all().items() if p in view}
-                members.update(links=links)
-                stop.wait(min(every_s / 4, 5.0))
+                try:
+                    report(target, 0, PROBE_PARTS, None)
+                    self.probe(target, bulk_bytes=bulk_bytes, refresh=True, on_part=part_done)
+                except Exception as e:  # noqa: BLE001 - a peer that went away, serves no probes, or our node stopping
+                    log.debug("probe of %s failed: %s", target, e)
+                    failed[target] = time.monotonic()
+                    report(target, 0, PROBE_PARTS, str(e) or type(e).__name__)
+                    continue
+                if view[target].role == "contributor":
+                    publish(view)  # the planner prices contributors' links: not held back behind clients' probes
 
         thread = threading.Thread(target=loop, name="link-probes", daemon=True)
         thread.start()
