@@ -488,3 +488,21 @@ def test_a_stage_on_probation_nobody_could_check_is_planned_around_while_a_plan_
     del view["C"]
     service.ledger.merge({"X": established})
     assert planned(view)[0] == "X" and "X" not in {e.node for e in service.state.excluded}
+
+
+def test_a_join_storm_is_planned_once_quiet_or_after_four_beats_at_the_latest():
+    from beeswarm.coordinator.churn import Churn
+
+    churn = Churn(interval=1.0)
+    assert churn.settled(100.0)  # a new leader plans at once (no change is pending since time 0)
+    churn.planned()
+    assert not churn.settled(105.0)
+    for t in (110.0, 110.5, 111.0):  # arrivals half a beat apart: not quiet yet
+        churn.changed(t)
+        assert not churn.settled(t + 0.9)
+    assert churn.settled(112.0)  # a beat of quiet
+    churn.planned()
+    for t in (120.0, 120.5, 121.0, 121.5, 122.0, 122.5, 123.0, 123.5):  # a storm that never quiets
+        churn.changed(t)
+        assert not churn.settled(t + 0.4)
+    assert churn.settled(124.0)  # four beats after its first arrival

@@ -86,7 +86,7 @@ class Scenario:
 
     @property
     def me(self) -> str:
-        return self.contributor.identity.peer_id
+        return self.contributor.node.peer_id
 
     def spawn(self, name: str) -> str:
         """Start another contributor, holding half the model, that joins this one; returns its peer id."""

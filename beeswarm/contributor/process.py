@@ -16,24 +16,24 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from beeswarm.audit import evidence
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.peer import PeerAuditService
+from beeswarm.contributor.audit_layers import AuditLayers
 from beeswarm.contributor.credits import ReceiptBox
 from beeswarm.contributor.lifecycle import Lifecycle, Phase
+from beeswarm.contributor.links import LinkCodecs
 from beeswarm.contributor.stage import StageServer
 from beeswarm.contributor.status import (
-    HISTORY,
     ContributorStatus,
     Event,
     PeerRow,
     Progress,
-    RateMeter,
     ServingFigures,
+    ServingMeter,
     ShardFigures,
 )
 from beeswarm.coordinator.cluster import ModelShape, Workload
@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 LEAVE_GRACE_S = 5.0
 WORKER_GRACE_S = 30.0  # a benchmark or span load still running when leaving stops at its next step
 TICK_S = 1.0  # how often the served tokens/s is measured and put in the heartbeat
-AUDIT_SPANS = 4  # spans loaded to audit other stages with, kept (each only where it fits in half the free memory)
 
 
 class Leaving(Exception):
@@ -104,28 +103,28 @@ class Contributor:
     Its parts are injected (`create` builds them); nothing starts before `run()`. `lead` makes the coordinator
     this node runs, given the judge it lends it (which recomputes spans with this contributor's layers)."""
 
-    def __init__(self, identity: Identity, options: ContributorOptions, node: Node, members: Membership,
+    def __init__(self, options: ContributorOptions, node: Node, members: Membership,
                  lead: Callable[[Judge], Coordinator], prober: Prober,
                  say: Callable[[Event], None] = lambda event: print(event.text)):
-        self.identity, self.options, self.say = identity, options, say
+        self.options, self.say = options, say
         self.node, self.members, self.prober = node, members, prober
         self.stopping = threading.Event()  # asked to leave: wakes the serving loop, ends long work at its next step
         self.lifecycle = Lifecycle(members.update)
         self.server: StageServer | None = None  # made with the first span loaded
         self.failure: BaseException | None = None  # why the p2p node stopped on its own (then `run()` raises)
+        self.figures: benchmark.BenchResult | None = None  # the device benchmark's
         self._lock = threading.Lock()
         self._progress: dict[str, Progress] = {}
-        self._rate = RateMeter()
-        self._busy = RateMeter()  # compute seconds per second
-        self._history: deque[float] = deque(maxlen=HISTORY)
+        self._meter = ServingMeter()
         self._benching = threading.Lock()
         self._workers: list[threading.Thread] = []  # span loads and re-benchmarks, joined when leaving
-        self._auditing: OrderedDict[Span, SpanRuntime] = OrderedDict()  # spans loaded to audit with, newest last
-        self.coordinator = lead(functools.partial(evidence.judge, runtime_for=self._audit_runtime,
+        self.audit_layers = AuditLayers(options.model, options.dtype, options.device, options.quant,
+                                        options.max_memory, self._layer_bytes, self._served)
+        self.coordinator = lead(functools.partial(evidence.judge, runtime_for=self.audit_layers,
                                                   max_bytes=node.config.max_tensor_bytes,
                                                   ask_reveal=self._ask_reveal))
         swarm = swarm_id(node.config.swarm, str(options.model))
-        self.peer_audits = PeerAuditService(node, self._audit_runtime)  # audits other stages for entries
+        self.peer_audits = PeerAuditService(node, self.audit_layers)  # audits other stages for entries
         self.credits = CreditKeeper(self.coordinator.follower, swarm)  # records receipts while this node leads
         self.receipts = ReceiptBox(self.coordinator.follower, swarm, local=self.credits.hand_in)
 
@@ -139,12 +138,20 @@ class Contributor:
                              interval=o.interval)
         follower = PlanFollower(node, members, interval=o.interval)
         shape, workload = model_shape(o.model, o.device, o.dtype, o.quant), Workload(context_tokens=o.context_tokens)
-        return cls(identity, options, node, members,
+        return cls(options, node, members,
                    lambda judge: Coordinator(follower, shape, workload, judge=judge), Prober(node), say)
 
     def _credit(self, payer: str) -> int | None:
         """`payer`'s balance in the newest ledger this node followed (None: it has no account there)."""
         return next((b.balance for b in self.coordinator.follower.ledger_state.balances if b.node == payer), None)
+
+    def _layer_bytes(self) -> int:
+        o = self.options
+        return model_shape(o.model, o.device, o.dtype, o.quant).layer_bytes
+
+    def _served(self) -> dict[Span, SpanRuntime]:
+        with self._lock:
+            return dict(self.server.runtimes) if self.server else {}
 
     def _ask_reveal(self, stage: str, entry: str, session: str, step: int, piece: Span | None = None) -> Revealed:
         """As the coordinator judging `entry`'s word that `stage` refused it: ask `stage` ourselves."""
@@ -153,39 +160,6 @@ class Contributor:
                                                reply_decoder(Revealed, limit=self.node.config.max_tensor_bytes),
                                                timeout=30.0)
         return revealed
-
-    def _audit_runtime(self, span: Span) -> SpanRuntime:
-        """The layers to audit or check evidence with: those of a span served here that holds `span` (nothing to
-        load), or `span` loaded for it (the last AUDIT_SPANS kept: in a pipeline the other stages' spans come up
-        again and again) when it fits in half the memory free now and within `--max-memory` with what is held
-        (MemoryError otherwise: serving comes first)."""
-        with self._lock:
-            runtimes = dict(self.server.runtimes) if self.server else {}
-            holder = next((r for s, r in runtimes.items() if s.start <= span.start and span.end <= s.end), None)
-            if holder is not None:
-                return holder.view(span)
-            if span in self._auditing:
-                self._auditing.move_to_end(span)
-                return self._auditing[span]
-            held = sum(len(s) for s in (*runtimes, *self._auditing))
-        from beeswarm.shard.device import resolve_device
-
-        o = self.options
-        layer_bytes = model_shape(o.model, o.device, o.dtype, o.quant).layer_bytes
-        need = layer_bytes * len(span)
-        free = benchmark.free_bytes(resolve_device(o.device))
-        if o.max_memory:
-            free = min(free, max(0, o.max_memory - layer_bytes * held))
-        if need > free // 2:
-            raise MemoryError(f"layers {span} need {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free")
-        log.info("loading layers %s to audit or check evidence with", span)
-        loaded = SpanRuntime.load(self.options.model, span, self.options.dtype, self.options.device,
-                                  quant=self.options.quant)
-        with self._lock:
-            self._auditing[span] = loaded
-            while len(self._auditing) > AUDIT_SPANS:
-                self._auditing.popitem(last=False)
-        return loaded
 
     @property
     def phase(self) -> Phase:
@@ -246,9 +220,21 @@ class Contributor:
         except Exception as e:
             self._report("bench", "device benchmark", error=str(e))
             raise
-        self.memory = min(figures.mem_bytes, o.max_memory) if o.max_memory else figures.mem_bytes
-        self.layer_bytes = figures.layer_bytes
+        self.figures = figures
         return figures
+
+    @property
+    def memory(self) -> int:
+        """The memory this node offers: its device's within `--max-memory` (0 before its benchmark)."""
+        figures, most = self.figures, self.options.max_memory
+        if figures is None:
+            return 0
+        return min(figures.mem_bytes, most) if most else figures.mem_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        """One layer's weights here (0 before the benchmark)."""
+        return self.figures.layer_bytes if self.figures is not None else 0
 
     @staticmethod
     def _bench_info(figures: benchmark.BenchResult) -> dict[str, float | None]:
@@ -330,9 +316,8 @@ class Contributor:
     def _tick(self) -> None:
         """Measure the tokens/s served and put it and the open sessions in the heartbeat (peers show them)."""
         served = self.server.tokens if self.server is not None else 0
-        self._history.append(self._rate.add(served))
-        busy = self._busy.add(self.server.compute_s if self.server is not None else 0.0)
-        self.members.update(load=round(self._history[-1], 2), busy=round(min(1.0, busy), 2),
+        self._meter.sample(served, self.server.compute_s if self.server is not None else 0.0)
+        self.members.update(load=round(self._meter.load, 2), busy=round(self._meter.busy, 2),
                             sessions=len(self.server.sessions) if self.server is not None else 0)
 
     def status(self) -> ContributorStatus:
@@ -340,7 +325,7 @@ class Contributor:
         o = self.options
         with self._lock:
             progress = tuple(self._progress.values())
-        snapshot = functools.partial(ContributorStatus, peer=self.identity.peer_id, swarm=NodeConfig().swarm,
+        snapshot = functools.partial(ContributorStatus, peer=self.node.peer_id, swarm=NodeConfig().swarm,
                                      model=o.model, private=o.secret is not None, progress=progress)
         facts = self.lifecycle.facts
         if not facts.started:
@@ -358,7 +343,7 @@ class Contributor:
         sessions = list(server.sessions.values()) if server else []
         runtime = server.runtimes.get(facts.span) if server and facts.span is not None else None
         resident = round(len(runtime.layers) * self.layer_bytes) if runtime is not None else 0
-        history = tuple(self._history)
+        history = tuple(self._meter.history)
         plan = self.coordinator.state  # shown: a sentence, or serving weights in another format than the swarm
         excluded = next((e.reason for e in plan.excluded
                          if e.node == me.peer and (e.until or plan.quant != self.options.quant)), "")
@@ -393,7 +378,7 @@ class Contributor:
 
     def _on_plan(self, state: PlanState) -> None:
         """Runs in the node's loop: only decide, never block."""
-        target = stages_of(state.target, self.identity.peer_id)
+        target = stages_of(state.target, self.node.peer_id)
         with self._lock:  # a loader adding a span waits: the spans announced are the server's
             if self.server is not None:
                 self.server.keep_only(self._planned_spans(state))
@@ -404,7 +389,7 @@ class Contributor:
 
     def _planned_spans(self, state: PlanState) -> set[Span]:
         """The spans `state` has this node serve: what clients route over (active) and what comes next (target)."""
-        me = self.identity.peer_id
+        me = self.node.peer_id
         return {s.span for s in stages_of(state.target, me) + stages_of(state.active, me)}
 
     def _load(self, span: Span, offload_fraction: float = 0.0) -> None:
@@ -429,7 +414,8 @@ class Contributor:
             # the plan listener takes the lock)
             weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
             server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
-                                 link_rate=self._link_rate, fault=Fault.from_env(runtime.folder, runtime.hidden_size),
+                                 links=LinkCodecs(link_rate=self._link_rate),
+                                 fault=Fault.from_env(runtime.folder, runtime.hidden_size),
                                  coordinator=self.coordinator.follower.leader, credit=self._credit).start()
         else:
             server.add(runtime)  # the old span keeps serving until the plan drops it

@@ -17,7 +17,6 @@ serving everyone else.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -33,6 +32,7 @@ from beeswarm.audit.faults import Fault
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.contributor import admission
 from beeswarm.contributor.chain import CommitmentChain, PreviousLied
+from beeswarm.contributor.links import LinkCodecs
 from beeswarm.contributor.step_queue import QueuedStep, StepQueue
 from beeswarm.p2p.channel import Channel, ChannelPool, Outbox
 from beeswarm.p2p.errors import NodeError
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS_PER_PEER = 64
 REVEAL_THREADS = 2  # reveals encoded at once (a long session's reveal is megabytes: off the shared pool)
-KEPT_CODECS = 64  # link codecs kept for peers no session uses now (their adaptive layout and rates learnt)
 _session_requests: Decoder[Open | Close] = Decoder(Open, Close)
 _reveal_requests: Decoder[Reveal] = Decoder(Reveal)
 
@@ -89,30 +88,25 @@ class Traffic:
 
 class StageServer:
     def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
-                 link_bytes_per_s: float | None = None, kv_budget_bytes: int | None = None,
-                 link_rate: Callable[[str], float | None] | None = None,
+                 links: LinkCodecs | None = None, kv_budget_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic, step_log: StepLog | None = None,
                  fault: Fault | None = None, coordinator: Callable[[], str | None] = lambda: None,
                  credit: Callable[[str], int | None] = lambda payer: None):
         """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows);
-        `link_rate(peer)`: measured bytes/s towards a peer (link probes), for the codec's choice;
+        `links`: the link codecs (`links.LinkCodecs`, with the measured rates of the links when given);
         `clock`: monotonic seconds, for idle expiry; `step_log`: what is kept for audits' reveals;
         `fault`: misbehave on purpose (tests only, see `audit.faults`); `coordinator()`: the peer that may
         ask for reveals of other entries' sessions (judging a refusal); `credit(payer)`: its balance in the
         swarm's ledger (None: no account), for whom a full stage admits first."""
         self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
         self.clock = clock
-        self.link_bytes_per_s, self.link_rate = link_bytes_per_s, link_rate
+        self.link = links or LinkCodecs()  # the codec of each link (`link(peer)`), and the bytes they moved
         self.sessions: dict[str, _Session] = {}
         self._opening: dict[str, int] = {}  # sessions being allocated -> the KV bytes reserved for them
         self.tokens = 0  # positions computed, written by the compute thread only
         self.queue = StepQueue()  # steps arrived and not run, and what a pass takes
         self._out = Outbox(ChannelPool(node.open_channel))  # the compute thread never waits on a peer
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
-        # per peer a session links to, most recently used last: what a link's codec learnt outlives a session (an
-        # entry opens one per generation); beyond KEPT_CODECS, a peer no session uses loses its codec
-        self._codecs: collections.OrderedDict[str, codec.LinkCodec] = collections.OrderedDict()
-        self._retired = Traffic(0, 0, 0, 0, 0, 0)  # the bytes counted by codecs freed since
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.runtimes: dict[Span, SpanRuntime] = {}
@@ -163,13 +157,7 @@ class StageServer:
             del self.runtimes[span]
             self._draining.discard(span)
             log.info("layers %s freed: the plan moved on and their last session ended", span)
-        linked = {peer for s in self.sessions.values() for peer in (s.entry, s.prev, s.next)}
-        spare = [p for p in self._codecs if p not in linked]  # least recently used first
-        for peer in spare[:max(0, len(self._codecs) - KEPT_CODECS)]:
-            link = self._codecs.pop(peer)
-            self._retired = Traffic(0, 0, self._retired.raw_in + link.raw_in, self._retired.wire_in + link.wire_in,
-                                    self._retired.raw_out + link.raw_bytes,
-                                    self._retired.wire_out + link.wire_bytes)
+        self.link.keep({peer for s in self.sessions.values() for peer in (s.entry, s.prev, s.next) if peer})
 
     def _served(self, span: Span) -> SpanRuntime:
         """The runtime serving `span` (a replay for an audit runs on it), ShardError when none does any more."""
@@ -192,11 +180,9 @@ class StageServer:
     @property
     def traffic(self) -> Traffic:
         """Steps and tokens computed; bytes as the links' codecs counted them."""
-        with self._lock:
-            links, old = list(self._codecs.values()), self._retired
-        return Traffic(self.queue.batching.steps, self.tokens, old.raw_in + sum(c.raw_in for c in links),
-                       old.wire_in + sum(c.wire_in for c in links), old.raw_out + sum(c.raw_bytes for c in links),
-                       old.wire_out + sum(c.wire_bytes for c in links))
+        moved = self.link.totals()
+        return Traffic(self.queue.batching.steps, self.tokens, moved.raw_in, moved.wire_in, moved.raw_out,
+                       moved.wire_out)
 
     @property
     def compute_s(self) -> float:
@@ -211,15 +197,6 @@ class StageServer:
     @property
     def busy(self) -> bool:
         return self.queued > 0
-
-    def link(self, peer: str) -> codec.LinkCodec:
-        with self._lock:
-            link = self._codecs.setdefault(peer, codec.LinkCodec(self.link_bytes_per_s))
-            self._codecs.move_to_end(peer)
-        rate = self.link_rate(peer) if self.link_rate else None
-        if rate:
-            link.link_bytes_per_s = rate
-        return link
 
     # sessions ---------------------------------------------------------------------------------
     def _on_session(self, peer: str, msg: Open | Close) -> Message:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,25 @@ class ContributorStatus:
 
 
 HISTORY = 120  # seconds of tokens/s kept
+
+
+class ServingMeter:
+    """What a stage served, sampled about once a second: tokens/s (the last HISTORY samples kept) and the share of the
+    time it computed."""
+
+    def __init__(self) -> None:
+        self._tokens, self._compute = RateMeter(), RateMeter()
+        self.history: deque[float] = deque(maxlen=HISTORY)
+        self.busy = 0.0
+
+    def sample(self, tokens: int, compute_s: float, now: float | None = None) -> None:
+        self.history.append(self._tokens.add(tokens, now))
+        self.busy = min(1.0, self._compute.add(compute_s, now))
+
+    @property
+    def load(self) -> float:
+        """Tokens/s now."""
+        return self.history[-1] if self.history else 0.0
 
 
 class RateMeter:

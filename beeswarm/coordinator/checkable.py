@@ -2,7 +2,7 @@
 
 A stage's audit goes by pieces when nobody holds its whole span (`audit.pieces`): a layer is checked by a member
 serving it, else by any member with room to load one layer. The room is judged as a contributor's auditor judges
-it (`Contributor._audit_runtime`): a piece must fit in half of what its memory offer leaves beside the layers it
+it (`contributor.audit_layers`): a piece must fit in half of what its memory offer leaves beside the layers it
 serves. A stage on probation with a layer that no other member serves, on a plan where nobody has that room, would
 have every session taken back by its entries (an unchecked audit is no pass): the coordinator plans without it
 where it can (`Coordinator.plan_epoch`).

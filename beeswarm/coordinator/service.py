@@ -8,9 +8,9 @@ and migrations are make-before-break: a changed plan is first published as a `ta
 keep routing over the `active` one; it becomes active once every node of the target announces its
 new span loaded.
 
-Churn is damped: a membership change re-plans once the view has been quiet for SETTLE_BEATS
-intervals (or after MAX_WAIT_BEATS at the latest), so a join storm gives a few epochs, not one per
-arrival; a new epoch is published only when the assignments change. Members that join get the
+Churn is damped (`churn.Churn`): a membership change re-plans once the view has been quiet for a beat
+(or after four at the latest), so a join storm gives a few epochs, not one per arrival; a new epoch is
+published only when the assignments change. Members that join get the
 current signed plan again (the same epoch, at most once per settle), and it is repeated every
 REPUBLISH_BEATS intervals; a follower that still missed it asks for it (`ids.PLAN`, answered here).
 
@@ -34,6 +34,7 @@ import trio
 from beeswarm.audit import probation
 from beeswarm.coordinator import plans
 from beeswarm.coordinator.checkable import unchecked_on_probation
+from beeswarm.coordinator.churn import SETTLE_BEATS, Churn
 from beeswarm.coordinator.cluster import Cluster, Entry, ModelShape, NodeSpec, Workload, step_ms, tokens_per_s
 from beeswarm.coordinator.election import Lease
 from beeswarm.coordinator.follower import PlanFollower
@@ -66,8 +67,6 @@ log = logging.getLogger(__name__)
 _plan_requests: Decoder[PlanRequest] = Decoder(PlanRequest)
 _passes: Decoder[Passed] = Decoder(Passed)
 Judge = Callable[[Evidence], "Judgement"]  # checks evidence: recomputes spans (contributors inject it)
-SETTLE_BEATS = 1.0
-MAX_WAIT_BEATS = 4.0
 REPUBLISH_BEATS = 10.0
 DEFAULT_LINK = (50.0, 100.0, 100.0)  # rtt ms, up, down Mbit/s assumed until a probe measures the pair
 RELAYED_LEGS = 2  # a relayed pair's path: to the relay and on
@@ -176,7 +175,7 @@ class Coordinator:
         self.sentences: dict[str, Exclusion] = {}  # nodes kept out of plans by upheld evidence
         self.ledger = probation.Ledger()  # the audits each stage passed
         self._lock = threading.Lock()  # the sentences and the ledger: judged and credited in worker threads
-        self._dirty, self._dirty_since, self._last_change = True, 0.0, 0.0
+        self.churn = Churn(self.interval)  # when to plan again
         self._last_beat = 0.0
         self._signed: SignedPlan | None = None  # the current plan as published (re-sent to newcomers)
         self._republish_at = 0.0
@@ -215,20 +214,12 @@ class Coordinator:
 
     def mark_dirty(self) -> None:
         """Re-plan soon (while leading): membership changed, or this node's own figures or state did."""
-        now = self.clock()
-        if not self._dirty:
-            self._dirty_since = now
-        self._dirty, self._last_change = True, now
+        self.churn.changed(self.clock())
 
     @property
     def replan_pending(self) -> bool:
         """Something the plan depends on changed and no plan has taken it in yet."""
-        return self._dirty
-
-    def _settled(self, now: float) -> bool:
-        """Dirty, and quiet for SETTLE_BEATS (or dirty for MAX_WAIT_BEATS): time to plan."""
-        return self._dirty and (now - self._last_change >= SETTLE_BEATS * self.interval or
-                                now - self._dirty_since >= MAX_WAIT_BEATS * self.interval)
+        return self.churn.pending
 
     # requests ---------------------------------------------------------------------------------
     async def _serve_plan(self, peer: str, request: PlanRequest) -> Message:
@@ -310,7 +301,8 @@ class Coordinator:
             claim = self._stand()
             if claim is not None:
                 log.info("claimed coordinator lease, term %d", claim.term)
-                self._dirty, self._dirty_since, self._last_change, self._last_beat = True, 0.0, 0.0, 0.0
+                self.churn.lead()
+                self._last_beat = 0.0
                 self._signed = None  # a plan of an earlier term is no one's to re-send
                 with self._lock:  # the sentences and standings of the coordinators before stand
                     self.sentences = {e.node: e for e in self.state.excluded if e.until} | self.sentences
@@ -321,8 +313,9 @@ class Coordinator:
                 if now - self._last_beat >= self.interval:
                     await self._publish(LeaseBeat(term=lease.term, epoch=lease.epoch))
                     self._last_beat = now
-                if (self._settled(now) or self.state.migrating()) and now - last_replan >= self.interval / 2:
-                    self._dirty, last_replan = False, now
+                if (self.churn.settled(now) or self.state.migrating()) and now - last_replan >= self.interval / 2:
+                    self.churn.planned()
+                    last_replan = now
                     await self._replan()
                 if self._signed is not None and now >= self._republish_at:
                     await self._publish(self._signed)
