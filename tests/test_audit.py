@@ -775,3 +775,20 @@ def test_a_lying_newcomer_holding_a_span_nobody_else_can_hold_is_caught_excluded
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_member_checks_layers_one_at_a_time_within_its_memory_offer(tiny_llama):
+    """A spare offering room for three layers loads one layer at a time to check a newcomer's pieces (in half of
+    what its offer leaves); the oldest it keeps make room for the next (it declined the third once two were kept,
+    and the entry checked the rest itself), while a piece that could never fit is declined without dropping them."""
+    from beeswarm.contributor.audit_layers import AuditLayers
+    from beeswarm.contributor.process import model_shape
+
+    layer = model_shape(str(tiny_llama), "cpu", "float32").layer_bytes
+    layers = AuditLayers(str(tiny_llama), "float32", "cpu", "none", 3 * layer, lambda: layer, dict)
+    for i in range(8):
+        assert layers(Span(i, i + 1)).span == Span(i, i + 1)
+    kept = layers(Span(7, 8))
+    with pytest.raises(MemoryError):
+        layers(Span(0, 2))  # two layers want 4 layers of offer
+    assert layers(Span(7, 8)) is kept

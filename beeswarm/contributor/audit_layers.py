@@ -3,7 +3,8 @@
 A span served here that holds the layers asked for lends a view of them (nothing to load). Else they are loaded,
 when they fit in half the memory free now and within `--max-memory` beside what is held (MemoryError otherwise:
 serving comes first), and the last AUDIT_SPANS loaded are kept: in a pipeline the other stages' spans come up
-again and again.
+again and again. The oldest kept make room for a span that would fit without them (a spare checking a newcomer's
+layers one at a time declined the fourth once three were kept).
 """
 from __future__ import annotations
 
@@ -40,11 +41,20 @@ class AuditLayers:
             if span in self._loaded:
                 self._loaded.move_to_end(span)
                 return self._loaded[span]
-            held = sum(len(s) for s in (*served, *self._loaded))
         from beeswarm.shard.device import resolve_device
 
         layer_bytes = self.layer_bytes()
         need = layer_bytes * len(span)
+
+        def fits(held: int) -> bool:  # within --max-memory beside `held` layers
+            return not self.max_memory or need <= max(0, self.max_memory - layer_bytes * held) // 2
+
+        with self._lock:
+            serving = sum(len(s) for s in served)
+            if fits(serving):  # the spans kept for audits, oldest first, make room for this one
+                while self._loaded and not fits(serving + sum(len(s) for s in self._loaded)):
+                    self._loaded.popitem(last=False)
+            held = serving + sum(len(s) for s in self._loaded)
         free = benchmark.free_bytes(resolve_device(self.device))
         if self.max_memory:
             free = min(free, max(0, self.max_memory - layer_bytes * held))
