@@ -92,6 +92,15 @@ def read_reveal(revealed: Revealed, entry: str, max_bytes: int) -> list[LoggedSt
     return steps
 
 
+def layers_for(runtime_for: RuntimeFor, piece: Span) -> SpanRuntime:
+    """`runtime_for(piece)`, CannotRecompute where these are not layers of this model or there is no room for them
+    here."""
+    try:
+        return runtime_for(piece)
+    except (ShardError, OSError, ValueError, MemoryError) as e:
+        raise CannotRecompute(f"cannot recompute layers {piece}: {e}") from None
+
+
 def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_for: RuntimeFor,
             max_bytes: int = codec.DEFAULT_MAX_BYTES, complete: bool = False,
             unobserved: Collection[int] = (), boundaries: Boundaries | None = None) -> Examined:
@@ -131,10 +140,7 @@ def examine(entry: str, commits: Sequence[Commit], revealed: Revealed, runtime_f
             layers.piece_contradiction(boundaries, piece, steps)
     if wrong is not None:
         return Examined(Finding("contradiction", wrong))
-    try:
-        runtime = runtime_for(piece)
-    except (ShardError, OSError, ValueError, MemoryError) as e:  # not a span of this model, or no room for it here
-        raise CannotRecompute(f"cannot recompute layers {piece}: {e}") from None
+    runtime = layers_for(runtime_for, piece)
     try:
         found = compare(runtime, steps, {c.step for c in commits}, layers.piece_tolerance(runtime.dtype, piece, span))
     except (SessionError, ProtocolError, codec.CodecError, RuntimeError) as e:  # inputs the span cannot run

@@ -27,6 +27,7 @@ from beeswarm.audit.evidence import (
     RuntimeFor,
     evidence_signed,
     examine,
+    layers_for,
     sign_evidence,
     sign_verdict,
     verdict_signed,
@@ -48,7 +49,6 @@ from beeswarm.protocol.audit import (
     commits_digest,
 )
 from beeswarm.protocol.encoding import Decoder
-from beeswarm.shard.errors import ShardError
 
 log = logging.getLogger(__name__)
 
@@ -120,18 +120,15 @@ class PeerAuditService:
             return Audited(verdict(True))
         if not self.node.knows(c.stage):  # a newcomer whose view has not brought it the stage yet: not its refusal
             return ErrorReply(error=f"this auditor knows no address for {c.stage} yet", busy=True)
-        try:  # the layers first: no room for them here is known before the stage encodes a reveal for nothing
-            self.runtime_for(layers)
-        except (ShardError, OSError, ValueError, MemoryError) as e:  # not busy: asked again, it cannot either
-            return ErrorReply(error=f"this auditor cannot recompute layers {layers}: {e}")
         try:
+            layers_for(self.runtime_for, layers)  # first: no room here is known before the stage reveals for nothing
             revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c,
                                                                     piece=c.piece),
                                          self._reveals, timeout=REVEAL_TIMEOUT_S)
             with torch.inference_mode():
                 examined = examine(c.entry, commits, revealed, self.runtime_for, self.node.config.max_tensor_bytes,
                                    complete=True, unobserved=frozenset(ask.unobserved), boundaries=ask.boundaries)
-        except CannotRecompute as e:  # not the stage's fault: the entry asks another auditor
+        except CannotRecompute as e:  # not the stage's fault, nor busy: the entry asks another auditor, not this one
             return ErrorReply(error=f"this auditor cannot recompute layers {layers}: {e}")
         except NodeError as e:  # no link to it (no answer of its own, so no refusal): the entry asks another auditor
             return ErrorReply(error=f"this auditor cannot reach {c.stage}: {e}", busy=True)

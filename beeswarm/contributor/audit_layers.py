@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
+from beeswarm.coordinator.checkable import room_for
 from beeswarm.protocol.membership import Quant
 from beeswarm.protocol.spans import Span
 from beeswarm.shard import benchmark
@@ -47,7 +48,7 @@ class AuditLayers:
         need = layer_bytes * len(span)
 
         def fits(held: int) -> bool:  # within --max-memory beside `held` layers
-            return not self.max_memory or need <= max(0, self.max_memory - layer_bytes * held) // 2
+            return not self.max_memory or room_for(len(span), self.max_memory, held, layer_bytes)
 
         with self._lock:
             serving = sum(len(s) for s in served)
