@@ -41,7 +41,7 @@ test: $(STAMP) check
 	grep -hE "^(FAILED|ERROR) " build/suite.log build/netns.log build/bundle-tests.log || echo "nothing"; \
 	exit $$(( $$(cat build/suite.rc) || $$(cat build/bundle-tests.rc) || $$(cat build/netns.rc) ))
 
-# The inner loop: the pure and in-process tests (no beeswarm processes, none of 8 s or more), under 3 minutes on 2 cores.
+# The inner loop: the pure and in-process tests (no beeswarm processes, none of 3 s or more), under 2 minutes on 2 cores.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" --ignore=tests/test_bundle.py $(PYTEST_ARGS)
 

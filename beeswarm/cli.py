@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from beeswarm.p2p import logs
+    from beeswarm import logs
 
     logs.setup(args.log_level)  # py-libp2p's records too: one line each, repeats summarised
     from beeswarm.shard.errors import ShardError

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from beeswarm.contributor.local import LocalSwarm, beeswarm_command
+from beeswarm.contributor.local_swarm import LocalSwarm, beeswarm_command
 
 SNIPPETS = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
             "for i in range(10):\n    print(", "def read_json(path):\n    with open(path) as f:\n",
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    swarm = LocalSwarm(args.contributors, args.model, heartbeat=1.0)
+    swarm = LocalSwarm(args.contributors, args.model)
     server = None
     try:
         bootstrap = swarm.start()

@@ -40,6 +40,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import psutil
@@ -50,9 +51,9 @@ from beeswarm.audit.auditor import Auditor, entry_auditor
 from beeswarm.audit.faults import Fault, _token_direction
 from beeswarm.audit.probation import PUBLISHED_UP_TO
 from beeswarm.audit.replay import drift, error_vectors, relative_error, replay
-from beeswarm.client.remote import Inbox, RemotePipeline
+from beeswarm.client.dataplane import Inbox, RemotePipeline
 from beeswarm.client.swarm import ClientOptions, SwarmClient
-from beeswarm.contributor.local import LocalSwarm, threads_per_process
+from beeswarm.contributor.local_swarm import LocalSwarm, threads_per_process
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
@@ -64,6 +65,7 @@ from beeswarm.protocol.spans import even_splits
 from beeswarm.protocol.step import Commit
 from beeswarm.shard import EntryModel, Span, SpanRuntime, checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny checkpoints
 GREEDY = SamplingParams()
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -248,7 +250,6 @@ def pieces_at_scale(args) -> dict:
     member that loads it. Bytes are measured at 2048 wide and scaled to 8192 (the codec's ratio held); times are
     this CPU's, per layer, and the cost is each side's work against the serving work of the same session."""
     import tempfile
-    from pathlib import Path
 
     from beeswarm.audit import layers as layer_audit
     from beeswarm.audit.evidence import read_reveal
@@ -441,7 +442,6 @@ def reveal_bytes(args) -> dict:
     step, in the codec's lossless frames) to the auditor, and the commitments the entry hands the auditor. The
     ratio is measured on the `--model`'s real hidden states of a `--reveal-tokens` session (a prefill of 64
     tokens, then one decode step a token) and applied to a 4096-wide bf16 model."""
-    from pathlib import Path
 
     from transformers import AutoTokenizer
 
@@ -488,7 +488,7 @@ def reveal_bytes(args) -> dict:
 def throughput(args) -> dict:
     """4 concurrent chats for `--seconds` per rate, rates interleaved over `--rounds`."""
     torch.set_num_threads(threads_per_process(4))
-    swarm = LocalSwarm(3, args.model, heartbeat=1.0)
+    swarm = LocalSwarm(3, args.model)
     rates = [0.0, *(m * DEFAULT_RATE for m in args.rates)]
     figures: dict[float, list[float]] = {r: [] for r in rates}
     cpu_ms: dict[float, list[float]] = {r: [] for r in rates}  # CPU of every process (stages, auditors, entry) a token

@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
-from beeswarm.client.remote import Inbox, RemotePipeline
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers shared with the tests
+
+from beeswarm.client.dataplane import Inbox, RemotePipeline
 from beeswarm.contributor.batching import Batching
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
@@ -43,7 +45,7 @@ from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.protocol.coordinator import Stage
 from beeswarm.protocol.spans import even_splits
 from beeswarm.shard import EntryModel, SpanRuntime
-from tiny_checkpoints import write_tiny_checkpoint
+from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 MODES = {"one": lambda: Batching(max_batch=1, window=False), "batched": lambda: Batching(window=False),

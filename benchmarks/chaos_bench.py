@@ -38,12 +38,13 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers shared with the tests
 from beeswarm.client.swarm import SwarmClient
-from beeswarm.contributor.local import Child, LocalSwarm, budgets, threads_per_process
+from beeswarm.contributor.local_swarm import Child, ChildFlags, LocalSwarm, budgets, threads_per_process
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel, checkpoint
-from local_pipeline import LocalPipeline
+from local_pipeline import LocalPipeline  # noqa: E402
 
 SNIPPETS = [
     "def fibonacci(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
@@ -412,7 +413,7 @@ def run(args) -> dict:
     refs = references(args.model, prompts, args.new_tokens)
     processes = args.contributors + 1
     torch.set_num_threads(threads_per_process(processes))
-    swarm = LocalSwarm(2, args.model, heartbeat=1.0, log_level="INFO", state_dir=logs)
+    swarm = LocalSwarm(2, args.model, flags=ChildFlags(log_level="INFO"), state_dir=logs)
     clients: list[SwarmClient] = []
     records: list[GenRecord] = []
     try:

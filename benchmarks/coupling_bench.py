@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers shared with the tests
 from beeswarm.generation.sampling import Noise, SamplingParams, probabilities
-from local_pipeline import LocalPipeline
+from local_pipeline import LocalPipeline  # noqa: E402
 
 PROMPT = [5, 100, 200, 33, 7, 9]
 

@@ -13,8 +13,8 @@ import time
 
 import msgspec
 
-from beeswarm.coordinator.credit_ledger import MEMORY, CreditLedger
-from beeswarm.coordinator.receipts import receipt_verifies, sign_ledger, sign_receipt, verify_ledger
+from beeswarm.credits.ledger import MEMORY, CreditLedger
+from beeswarm.credits.receipts import receipt_verifies, sign_ledger, sign_receipt, verify_ledger
 from beeswarm.p2p import identity
 from beeswarm.protocol import encode
 from beeswarm.protocol.credits import MAX_BALANCES, Given, HandIn, Receipt, swarm_id

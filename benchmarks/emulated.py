@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
+from pathlib import Path
 
 from beeswarm.client.swarm import ClientOptions, SwarmClient
-from beeswarm.contributor.local import LocalSwarm
+from beeswarm.contributor.local_swarm import LocalSwarm
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel, checkpoint
 from beeswarm.shard.loader import load_config
-from linkemu import EmulatorProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers shared with the tests
+from linkemu import EmulatorProcess  # noqa: E402
 
 
 def free_ports(n: int) -> list[int]:
@@ -41,16 +45,18 @@ def consecutive_free_ports(n: int) -> list[int]:
 
 
 class EmulatedSwarm:
-    """`delays`: one-way seconds into each node ("s0".. "s{n-1}", "entry"); `rate_bps` on every link."""
+    """`delays`: one-way seconds into each node ("s0".. "s{n-1}", then `entries`); `rate_bps` on every link.
+    An entry in another process listens on `ports(name)[0]`, announces `ports(name)[1]`, and is `register`ed."""
 
     def __init__(self, model: str, n: int = 3, delays: dict[str, float] | None = None,
-                 rate_bps: float | None = None):
+                 rate_bps: float | None = None, entries: tuple[str, ...] = ("entry",)):
         self.model, self.n = model, n
-        self.names = [f"s{i}" for i in range(n)] + ["entry"]
-        self.real, self.proxy = consecutive_free_ports(n) + free_ports(1), free_ports(n + 1)
+        self.names = [f"s{i}" for i in range(n)] + list(entries)
+        self.real, self.proxy = consecutive_free_ports(n) + free_ports(len(entries)), free_ports(n + len(entries))
         self.emu = EmulatorProcess(list(zip(self.names, self.real, self.proxy)), delays or {}, rate_bps)
-        self.emu.register("entry", os.getpid())
-        self.swarm = LocalSwarm(n, model, heartbeat=1.0, base_port=self.real[0],
+        if "entry" in entries:
+            self.emu.register("entry", os.getpid())  # the entry of `client()`, in this process
+        self.swarm = LocalSwarm(n, model, base_port=self.real[0],
                                 announce=[f"/ip4/127.0.0.1/tcp/{p}" for p in self.proxy[:n]],
                                 on_spawn=lambda i, pid: self.emu.register(f"s{i}", pid))
         self.bootstrap: str | None = None
@@ -60,15 +66,22 @@ class EmulatedSwarm:
         self.swarm.wait_ready(timeout=300)
         return self
 
+    def ports(self, name: str) -> tuple[int, int]:
+        """(the port `name` listens on, the proxy port it announces)."""
+        i = self.names.index(name)
+        return self.real[i], self.proxy[i]
+
+    def register(self, name: str, pid: int) -> None:
+        self.emu.register(name, pid)
+
     def vocab_size(self) -> int:
         return int(load_config(checkpoint.resolve_config(self.model)).vocab_size)
 
     def client(self, options: ClientOptions | None = None, **kwargs) -> SwarmClient:
         entry = EntryModel.load(self.model, "float32", "cpu")
-        client = SwarmClient.create(entry, [self.bootstrap], interval=1.0,
-                                    listen=[f"/ip4/127.0.0.1/tcp/{self.real[-1]}"],
-                                    announce=[f"/ip4/127.0.0.1/tcp/{self.proxy[-1]}"], options=options,
-                                    **kwargs).start()
+        real, proxy = self.ports("entry")
+        client = SwarmClient.create(entry, [self.bootstrap], interval=1.0, listen=[f"/ip4/127.0.0.1/tcp/{real}"],
+                                    announce=[f"/ip4/127.0.0.1/tcp/{proxy}"], options=options, **kwargs).start()
         self.settle(client)
         return client
 

@@ -3,7 +3,7 @@
 
 A target node (membership, relay service, a stage server over the whole tiny model, a result inbox,
 link probes) and a hostile node on 127.0.0.1; the hostile one sends `--frames` frames on each protocol
-(benchmarks/hostile.py: random bytes, huge declared lengths, truncated frames, well-formed messages with
+(tests/hostile.py: random bytes, huge declared lengths, truncated frames, well-formed messages with
 wrong fields, mutated ones; a fresh stream each attempt). The target records strikes but never bans, so
 one peer can send everything. Then a third node generates through the target's stage server and the
 tokens are compared with transformers' greedy output.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # helpers.refer
 
 import hostile  # noqa: E402
 
-from beeswarm.client.remote import Inbox, RemotePipeline  # noqa: E402
+from beeswarm.client.dataplane import Inbox, RemotePipeline  # noqa: E402
 from beeswarm.contributor.stage import StageServer  # noqa: E402
 from beeswarm.generation.generate import generate  # noqa: E402
 from beeswarm.generation.sampling import SamplingParams  # noqa: E402

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from beeswarm.audit.replay import relative_error, tolerance
-from beeswarm.contributor.local import LocalSwarm, beeswarm_command
+from beeswarm.contributor.local_swarm import ChildFlags, LocalSwarm, beeswarm_command
 from beeswarm.shard import Span, SpanRuntime, benchmark, checkpoint
 from beeswarm.shard.device import resolve_device, resolve_dtype
 from beeswarm.shard.errors import ShardError
@@ -114,7 +114,7 @@ def reference_tokens(model: str, device: torch.device, dtype: torch.dtype) -> li
 
 
 def check_swarm(model: str, device: str, dtype: torch.dtype) -> tuple[bool, str]:
-    swarm = LocalSwarm(3, model, device=device)
+    swarm = LocalSwarm(3, model, flags=ChildFlags(device=device))
     try:
         boot = swarm.start()
         swarm.wait_ready()

@@ -30,7 +30,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bed_swarm import MODEL, Swarm  # noqa: E402
-from beeswarm.contributor.local import budgets  # noqa: E402
+from beeswarm.contributor.local_swarm import budgets  # noqa: E402
 from helpers import read_until, wait_for  # noqa: E402
 from netbed import Host, NetBed, netns_unavailable  # noqa: E402
 

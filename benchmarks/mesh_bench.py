@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beeswarm.coordinator.cluster import ModelShape
+from beeswarm.coordinator.coordinator import Coordinator
 from beeswarm.coordinator.follower import PlanFollower
-from beeswarm.coordinator.service import Coordinator
 from beeswarm.p2p import identity
 from beeswarm.p2p.membership import TARGET_BEATS_PER_S, Membership
 from beeswarm.p2p.node import Node, NodeConfig
@@ -138,8 +138,8 @@ def mesh_size(n: int, seconds: float, converge_timeout: float, count: bool = Tru
             time.sleep(0.05)
         # not converged in time: measure anyway (what a node receives and how complete the views are)
         convergence = time.monotonic() - t0 if converged() else None
-        before = {x: (members[x].beats_received, members[x].beats_sent, counts[x].snapshot(),
-                      members[x].views_received) for x in nodes}
+        before = {x: (members[x].counts.beats_received, members[x].counts.beats_sent, counts[x].snapshot(),
+                      members[x].counts.views_received) for x in nodes}
         w0, c0 = time.monotonic(), time.process_time()
         leaders_max, views, stopped, converged_samples = 0, [], 0, 0
         while time.monotonic() - w0 < seconds:
@@ -149,8 +149,8 @@ def mesh_size(n: int, seconds: float, converge_timeout: float, count: bool = Tru
             stopped = max(stopped, sum(failed(x) for x in nodes))
             converged_samples += converged()
         wall, cpu = time.monotonic() - w0, time.process_time() - c0
-        after = {x: (members[x].beats_received, members[x].beats_sent, counts[x].snapshot(),
-                     members[x].views_received) for x in nodes}
+        after = {x: (members[x].counts.beats_received, members[x].counts.beats_sent, counts[x].snapshot(),
+                     members[x].counts.views_received) for x in nodes}
 
         def rate(pick) -> dict:
             return per_node([(pick(after[x]) - pick(before[x])) / wall for x in nodes])
@@ -282,11 +282,11 @@ class Observer:
 
 
 def processes(n: int, seconds: float, model: str) -> dict:
-    from beeswarm.contributor.local import LocalSwarm, budgets
+    from beeswarm.contributor.local_swarm import ChildFlags, LocalSwarm, budgets
 
     logs = Path(tempfile.mkdtemp(prefix="mesh-processes-", dir="/tmp"))
-    swarm = LocalSwarm(n, model, heartbeat=INTERVAL, log_level="INFO", state_dir=logs)
-    from beeswarm.contributor.process import model_shape
+    swarm = LocalSwarm(n, model, flags=ChildFlags(heartbeat=INTERVAL, log_level="INFO"), state_dir=logs)
+    from beeswarm.contributor.contributor import model_shape
 
     layer = budgets(model, min(n, model_shape(model).num_layers))[0]  # one layer's share each (n >= layers)
     observer = None

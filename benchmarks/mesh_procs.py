@@ -8,7 +8,7 @@ many of its nodes stopped, and its CPU time. Worker i joins through the first no
 (a swarm has several bootstrap nodes; one hub for all would be this harness's bottleneck).
 Returned: when the mesh converged (every view holds
 N - 1 members and all follow one coordinator), for `seconds` after that the smallest view, the
-coordinators seen, nodes stopped, and the cores used. Used by tests/test_mesh.py (48 members, 15 s)
+coordinators seen, nodes stopped, and the cores used. Run by tests/test_mesh.py (48 members, 15 s)
 and by hand (the figures in BENCHMARKS.md: 2 minutes; `--interval` is the heartbeat, 3 s as in
 `beeswarm contribute`):
 
@@ -33,8 +33,8 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 # --- a worker: K nodes in this process ------------------------------------------------------------
 def worker(nodes: int, bootstrap: str | None, interval: float) -> None:
     from beeswarm.coordinator.cluster import ModelShape
+    from beeswarm.coordinator.coordinator import Coordinator
     from beeswarm.coordinator.follower import PlanFollower
-    from beeswarm.coordinator.service import Coordinator
     from beeswarm.p2p import identity
     from beeswarm.p2p.membership import Membership
     from beeswarm.p2p.node import Node, NodeConfig
@@ -197,13 +197,14 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=48)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--converge-timeout", type=float, default=60.0, help="seconds the mesh may take to converge")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="the mesh's progress every second, on stderr")
     args = parser.parse_args()
     if args.worker:
         worker(args.nodes, args.bootstrap, args.interval)
         return
-    result = run(args.members, args.workers, args.seconds, interval=args.interval, verbose=args.verbose)
+    result = run(args.members, args.workers, args.seconds, args.converge_timeout, args.interval, args.verbose)
     print(json.dumps(asdict(result)) if args.json else result)
 
 

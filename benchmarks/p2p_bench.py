@@ -14,14 +14,17 @@ import time
 
 from beeswarm.p2p import identity
 from beeswarm.p2p.node import Node, NodeConfig
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, Message
+from beeswarm.protocol import Message
+from beeswarm.protocol.rpcs import Rpc
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
 
 class Payload(Message, frozen=True, tag="payload"):
     data: bytes = b""
+
+
+ECHO: Rpc[Payload, Payload] = Rpc("/bench/echo/1", (Payload,), (Payload,))
 
 
 def main() -> None:
@@ -38,13 +41,13 @@ def main() -> None:
         async def echo(peer: str, msg: Payload) -> Payload:  # async: runs in the node's loop, no thread hop
             return msg
 
-        server.serve("/bench/echo/1", echo, Decoder(Payload))
+        server.serve(ECHO, echo)
         client.connect(server.addrs[0])
-        request, replies = Payload(data=payload), reply_decoder(Payload)
+        request = Payload(data=payload)
         rtts = []
         for _ in range(args.rounds):
             t = time.perf_counter()
-            client.request(server.peer_id, "/bench/echo/1", request, replies)
+            client.request(server.peer_id, ECHO, request)
             rtts.append((time.perf_counter() - t) * 1e3)
 
         inbox = []

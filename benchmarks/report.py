@@ -29,7 +29,7 @@ def link_label(data: dict, env: str) -> str:
 def envs_section(data: dict) -> list[str]:
     rows = {(r["env"], r["config"]): r for r in data["rows"]}
     lines = [f"Measured {data['date']} on {data['machine']}. Every link of the 3-stage ring and the entry",
-             "carries the environment's bandwidth and one-way delay (`benchmarks/linkemu.py`).", "",
+             "carries the environment's bandwidth and one-way delay (`tests/linkemu.py`).", "",
              "| env | links | batch tok/s baseline | batch tok/s beeswarm | ratio | decode tok/s baseline | "
              "decode tok/s beeswarm | TTFT 512 baseline | TTFT 512 beeswarm | wire/raw beeswarm |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

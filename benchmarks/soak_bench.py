@@ -39,11 +39,11 @@ from pathlib import Path
 
 import psutil
 
-from beeswarm.contributor.local import beeswarm_command, budgets
-from beeswarm.contributor.process import Contributor, ContributorOptions
+from beeswarm import logs as beeswarm_logs
+from beeswarm.contributor.contributor import Contributor, ContributorOptions
+from beeswarm.contributor.local_swarm import beeswarm_command, budgets
 from beeswarm.contributor.status import Event
 from beeswarm.p2p import identity
-from beeswarm.p2p import logs as beeswarm_logs
 from beeswarm.p2p.node import Node, NodeConfig
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"

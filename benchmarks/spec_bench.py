@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 from train_tinycode import read, stdlib_files  # noqa: E402
 
 from beeswarm.client.swarm import ClientOptions  # noqa: E402
-from beeswarm.contributor.local import threads_per_process  # noqa: E402
+from beeswarm.contributor.local_swarm import threads_per_process  # noqa: E402
 from beeswarm.generation.sampling import SamplingParams  # noqa: E402
 from beeswarm.spec.draft import DraftModel  # noqa: E402
 from beeswarm.spec.tuner import MAX_IN_FLIGHT, Tuner  # noqa: E402
@@ -83,7 +83,7 @@ def run_mode(client, texts, tokens: int, name: str, speculate: bool, tuner: Tune
              sampler: BusySampler, passes: int = 1, route: str = "push") -> dict:
     """Decode each prompt `passes` times (one tuner throughout) and sum: short rings are noisy (one serial plan
     measured 78-89 tokens/s in two runs at 0 ms)."""
-    client.speculate, client.tuner = speculate, tuner or Tuner()
+    client.speculate, client.drafting.tuner = speculate, tuner or Tuner()
     client.options = dataclasses.replace(client.options, max_in_flight=in_flight, mode=route)
     decoded, seconds, reports = 0, 0.0, []
     wire0, t0 = client.traffic[0], time.monotonic()
@@ -98,7 +98,7 @@ def run_mode(client, texts, tokens: int, name: str, speculate: bool, tuner: Tune
                   f"{len(g.tokens)} tokens, recoveries {out.recoveries}", file=sys.stderr, flush=True)
     row = {"tokens_per_s": round(decoded / seconds, 3), "busy": sampler.mean(t0, time.monotonic()),
            "wire_bytes_per_token": round((client.traffic[0] - wire0) / max(1, decoded)),
-           "tuner": client.tuner, "reports": reports}
+           "tuner": client.drafting.tuner, "reports": reports}
     specs = [r for r, _ in reports if r is not None]
     if specs:
         sent = sum(r.rows_sent for r in specs)

@@ -21,6 +21,7 @@ and plots (benchmarks/report.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -33,15 +34,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers shared with the tests
 import report  # noqa: E402
 
 from beeswarm.client.swarm import ClientOptions, SwarmClient
-from beeswarm.contributor.local import LocalSwarm, threads_per_process
+from beeswarm.contributor.local_swarm import LocalSwarm, threads_per_process
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from emulated import EmulatedSwarm  # noqa: E402
-from local_pipeline import LocalPipeline
+from local_pipeline import LocalPipeline  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -73,7 +75,7 @@ def loopback(args) -> dict:
     single_ttft = statistics.median(run_local(long_prompt, 1).ttft_s for _ in range(args.repeat))
 
     torch.set_num_threads(threads_per_process(4))  # one process had every core; now 4 share them
-    swarm = LocalSwarm(3, args.model, heartbeat=1.0)
+    swarm = LocalSwarm(3, args.model)
     results = {}
     try:
         bootstrap = swarm.start()
@@ -161,7 +163,8 @@ def envs(args) -> list[dict]:
             emulated.start()
             client = emulated.client()
             for config, (mode, compress, micro) in CONFIGS.items():
-                client.mode, client.compress, client.micro_batches = mode, compress, micro
+                client.options = dataclasses.replace(client.options, mode=mode, compress=compress,
+                                                     micro_batches=micro)
                 EmulatedSwarm.settle(client, tries=2)  # open channels for this mode
                 batch, wire, raw = batch_run(client, prompts, BATCH_NEW)
                 single = decode_rate(client.generate(prompts[0][:16], SINGLE_NEW, SamplingParams()).generation)

@@ -1,15 +1,9 @@
 """Shared fixtures: tiny random checkpoints written once per test session."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# the benchmarks' helpers the tests share (tiny checkpoints, the one-process oracle, the link emulator)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+from tiny_checkpoints import write_tiny_checkpoint
 
 FAMILY_SEEDS = {"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "phi3": 4, "gemma2": 5, "gemma3_text": 6,
                 "mixtral": 7, "qwen3_moe": 8}

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from beeswarm.contributor.local import budgets
+from beeswarm.contributor.local_swarm import budgets
 from beeswarm.generation.sampling import ModelDefaults
 from helpers import past_probation, serve, start_contributors, wait_for
 from served import KEY, Served

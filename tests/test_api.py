@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from beeswarm.contributor.local import budgets
+from beeswarm.contributor.local_swarm import budgets
 from helpers import lines_of, past_probation, read_until, serve, start_contributors, wait_for
 from served import KEY, Served
 

@@ -30,12 +30,11 @@ from beeswarm.audit.pieces import SPOT_LAYERS
 from beeswarm.audit.probation import PROBATION_STEPS, PUBLISHED_UP_TO
 from beeswarm.audit.retention import LoggedStep, StepLog
 from beeswarm.audit.runner import REACH_S, Candidates
-from beeswarm.client.remote import Inbox, RemotePipeline, SentStep, SessionSteps, StageFailed
-from beeswarm.contributor.local import budgets
+from beeswarm.client.dataplane import Inbox, RemotePipeline, SentStep, SessionSteps, StageFailed
+from beeswarm.contributor.local_swarm import budgets
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
-from beeswarm.p2p.requests import reply_decoder
 from beeswarm.protocol import ProtocolError, RemoteError, encode, ids
 from beeswarm.protocol.audit import (
     AuditAsk,
@@ -49,7 +48,8 @@ from beeswarm.protocol.audit import (
     commits_digest,
 )
 from beeswarm.protocol.coordinator import Stage
-from beeswarm.protocol.session import Open, Opened
+from beeswarm.protocol.rpcs import REVEAL, SESSION
+from beeswarm.protocol.session import Open
 from beeswarm.protocol.step import CacheState, Result, Step
 from beeswarm.shard import EntryModel, Span, SpanRuntime, tensors
 from beeswarm.spec.draft import DraftModel
@@ -431,8 +431,8 @@ class AccusingAuditor(PeerAuditService):
 
     def _audit(self, ask: AuditAsk) -> Audited:
         c, key, me = ask.commission, self.node.identity.key_pair, self.node.peer_id
-        revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c),
-                                     reply_decoder(Revealed, limit=1 << 30), timeout=30)
+        revealed = self.node.request(c.stage, REVEAL, Reveal(session=c.session, step=c.step, commission=c),
+                                     timeout=30)
         verdict = sign_verdict(key, AuditVerdict(auditor=me, entry=c.entry, stage=c.stage, session=c.session,
                                                  step=c.step, passed=False, commits=commits_digest(ask.commits),
                                                  detail="made up"))
@@ -503,8 +503,7 @@ def test_a_refusal_the_coordinator_finds_unfounded_clears_the_stage_at_the_entry
     judge_node = lost.node  # connected to every stage; plays the coordinator
 
     def ask(stage, entry, session, step, piece=None):
-        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry, piece=piece),
-                                  reply_decoder(Revealed, limit=judge_node.config.max_tensor_bytes))
+        return judge_node.request(stage, REVEAL, Reveal(session=session, step=step, entry=entry, piece=piece))
 
     def coordinator(evidence: Evidence) -> Verdict:
         judged = judge(evidence, Layers(tiny_llama), ask_reveal=ask)
@@ -570,10 +569,9 @@ def test_a_stage_reveals_to_an_auditor_only_with_its_entrys_signed_commission(me
     (service,) = peer_auditors(mesh, tiny_llama, stages, pipe.node, 1)
     session, _ = run(pipe, PROMPTS[0], 4)
     stage = stages[1].peer_id
-    replies = reply_decoder(Revealed, limit=1 << 26)
 
     def ask(commission) -> Revealed:
-        return service.node.request(stage, ids.AUDIT, Reveal(session=session, step=0, commission=commission), replies)
+        return service.node.request(stage, REVEAL, Reveal(session=session, step=0, commission=commission))
 
     signed = sign_commission(pipe.node.identity.key_pair, Commission(
         entry=pipe.node.peer_id, auditor=service.node.peer_id, stage=stage, session=session, step=0))
@@ -583,7 +581,7 @@ def test_a_stage_reveals_to_an_auditor_only_with_its_entrys_signed_commission(me
         with pytest.raises(RemoteError, match="commission"):
             ask(bad)
     with pytest.raises(RemoteError, match="only a session's entry"):
-        service.node.request(stage, ids.AUDIT, Reveal(session=session, step=0, entry=pipe.node.peer_id), replies)
+        service.node.request(stage, REVEAL, Reveal(session=session, step=0, entry=pipe.node.peer_id))
 
 
 def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny_llama):
@@ -593,8 +591,7 @@ def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny
     auditor.observe = lambda session, step_commits: commits.extend(c for c in step_commits if c.stage == honest)
     session, _ = run(pipe, list(PROMPTS[0]), 6)
     me = pipe.node
-    revealed = me.request(honest, ids.AUDIT, Reveal(session=session, step=commits[-1].step),
-                          reply_decoder(Revealed, limit=me.config.max_tensor_bytes))
+    revealed = me.request(honest, REVEAL, Reveal(session=session, step=commits[-1].step))
     accusation = Evidence(kind="wrong", accused=honest, accuser=me.peer_id, session=session, span=Span(3, 5),
                           commits=tuple(commits), revealed=revealed)
     layers = Layers(tiny_llama)
@@ -614,8 +611,7 @@ def test_a_false_or_forged_accusation_is_evidence_against_its_accuser(mesh, tiny
         judge(accusation, layers)  # unsigned: nobody's word
     # nobody else may see a session's activations
     with pytest.raises(RemoteError, match="not kept"):
-        stages[0].request(honest, ids.AUDIT, Reveal(session=session, step=commits[-1].step),
-                          reply_decoder(Revealed, limit=me.config.max_tensor_bytes))
+        stages[0].request(honest, REVEAL, Reveal(session=session, step=commits[-1].step))
 
 
 def test_a_refusal_is_judged_by_asking_the_stage_again(mesh, tiny_llama):
@@ -631,8 +627,7 @@ def test_a_refusal_is_judged_by_asking_the_stage_again(mesh, tiny_llama):
     assert evidence.accused == refuser.peer_id
 
     def ask(stage, entry, session, step, piece=None):
-        return judge_node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry, piece=piece),
-                                  reply_decoder(Revealed, limit=judge_node.config.max_tensor_bytes))
+        return judge_node.request(stage, REVEAL, Reveal(session=session, step=step, entry=entry, piece=piece))
 
     verdict = judge(evidence, Layers(tiny_llama), ask_reveal=ask)
     assert verdict.upheld and verdict.excluded == refuser.peer_id and "refused" in verdict.reason
@@ -652,9 +647,8 @@ def test_a_refusal_is_judged_by_asking_the_stage_again(mesh, tiny_llama):
     verdict = judge(claim, no_room, ask_reveal=ask)
     assert not verdict.upheld and verdict.excluded == "" and "not recomputed" in verdict.reason, verdict
     with pytest.raises(RemoteError, match="only a session's entry"):  # a third node asking for the entry
-        stages[0].request(refuser.peer_id, ids.AUDIT, Reveal(session=session, step=commits[-1].step,
-                                                             entry=pipe.node.peer_id),
-                          reply_decoder(Revealed, limit=stages[0].config.max_tensor_bytes))
+        stages[0].request(refuser.peer_id, REVEAL, Reveal(session=session, step=commits[-1].step,
+                                                          entry=pipe.node.peer_id))
 
 
 def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh, tiny_llama):
@@ -662,8 +656,8 @@ def test_a_stage_does_not_compute_a_step_its_predecessor_did_not_commit_to(mesh,
     that lets an uncommitted step through would sign for it and take the blame."""
     pipe, _, stages, _, seen = swarm(mesh, tiny_llama, rate=0.0)
     entry, liar, session = pipe.node, stages[0], "s1"
-    entry.request(stages[1].peer_id, ids.SESSION, Open(session=session, max_length=16, prev=liar.peer_id,
-                                                      span=Span(3, 5)), reply_decoder(Opened))
+    entry.request(stages[1].peer_id, SESSION, Open(session=session, max_length=16, prev=liar.peer_id,
+                                                      span=Span(3, 5)))
     hidden = torch.randn(2, 64)
     step = Step(entry=entry.peer_id, session=session, step=0, start=0, frame=tensors.encode(hidden),
                 expect=CacheState(0, 0))
@@ -782,7 +776,7 @@ def test_a_member_checks_layers_one_at_a_time_within_its_memory_offer(tiny_llama
     what its offer leaves); the oldest it keeps make room for the next (it declined the third once two were kept,
     and the entry checked the rest itself), while a piece that could never fit is declined without dropping them."""
     from beeswarm.contributor.audit_layers import AuditLayers
-    from beeswarm.contributor.process import model_shape
+    from beeswarm.contributor.contributor import model_shape
 
     layer = model_shape(str(tiny_llama), "cpu", "float32").layer_bytes
     layers = AuditLayers(str(tiny_llama), "float32", "cpu", "none", 3 * layer, lambda: layer, dict)

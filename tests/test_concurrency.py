@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from beeswarm.audit.auditor import entry_auditor
-from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps
+from beeswarm.client.dataplane import Inbox, RemotePipeline, SessionSteps
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import Noise, SamplingParams
@@ -65,7 +65,7 @@ class ComputeBound(SpanRuntime):
         self.layers[0] = GatedLayer(self.layers[0], self.gate)
 
     def step(self, inputs):
-        time.sleep(self.pass_s)
+        time.sleep(self.pass_s)  # a pass's compute, on purpose: a stage slow enough for steps to queue
         return super().step(inputs)
 
 

@@ -11,22 +11,22 @@ from beeswarm.audit import commitments
 from beeswarm.audit.probation import PROBATION_STEPS
 from beeswarm.coordinator import planner, plans
 from beeswarm.coordinator.cluster import ModelShape, Workload
-from beeswarm.coordinator.election import Election, Lease
-from beeswarm.coordinator.follower import PlanFollower
-from beeswarm.coordinator.service import (
+from beeswarm.coordinator.coordinator import (
     REPUBLISH_BEATS,
     Coordinator,
     cluster_from_members,
     next_assignment,
     pipelines_tokens_per_s,
 )
+from beeswarm.coordinator.election import Election, Lease
+from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.p2p import identity
 from beeswarm.p2p.probe import Prober
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, ProtocolError, RemoteError, Span, encode, ids
-from beeswarm.protocol.audit import Credited, Passed
+from beeswarm.protocol import Decoder, ProtocolError, RemoteError, Span, encode
+from beeswarm.protocol.audit import Passed
 from beeswarm.protocol.coordinator import Pipeline, PlanState, SignedPlan, Stage
 from beeswarm.protocol.membership import Heartbeat, NodeInfo
+from beeswarm.protocol.rpcs import PASSED
 from beeswarm.protocol.step import Commit
 from helpers import INTERVAL, wait_for
 
@@ -59,6 +59,7 @@ def agreed(nodes) -> bool:
     return len(ls) == 1 and None not in ls and sum(n.coord.is_leader for n in nodes) == 1
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_election_failover_and_plans(contributors):
     nodes = contributors(5)
     wait_for(lambda: agreed(nodes), 5, "one coordinator")
@@ -90,6 +91,7 @@ def test_election_failover_and_plans(contributors):
     assert all(n.coord.lease.term > term for n in rest)
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_checked_layers_count_once_per_session_ride_in_the_plan_and_outlive_their_coordinator(contributors):
     """Probation's swarm-wide history: an entry reports the layers and steps of a stage's passed audit with the
     stage's signed word on its session; the coordinator counts each session once (and no more steps than the stage
@@ -98,14 +100,13 @@ def test_checked_layers_count_once_per_session_ride_in_the_plan_and_outlive_thei
     nodes = contributors(3)
     wait_for(lambda: agreed(nodes) and nodes[0].coord.state.epoch >= 1, 8, "a first plan")
     leader, stage, entry = nodes
-    credits = reply_decoder(Credited)
 
     def passed(session: str, signed_for: str, layers=(), steps=0) -> int:
         unsigned = Commit(stage=stage.peer_id, step=3, span=Span(0, 4), context=bytes(16), input=bytes(16),
                           output=bytes(16), sig=b"")
         commit = commitments.sign(stage.identity.key_pair, signed_for, session, unsigned)
-        return entry.request(leader.peer_id, ids.PASSED, Passed(session=session, commit=commit, layers=layers,
-                                                                steps=steps), credits).passed
+        return entry.request(leader.peer_id, PASSED, Passed(session=session, commit=commit, layers=layers,
+                                                            steps=steps)).passed
 
     # every layer, checked on the 4 steps committed to (no more than that counts); then the session's once
     assert [passed("s1", entry.peer_id, steps=99), passed("s1", entry.peer_id)] == [4, 4]
@@ -128,6 +129,7 @@ def test_checked_layers_count_once_per_session_ride_in_the_plan_and_outlive_thei
     assert successor.coord.ledger.checked[stage.peer_id] == {0: 8, 1: 8, 2: 4, 3: 4}
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator(contributors, mesh):
     first = contributors(3)  # enough memory between them for the model
     wait_for(lambda: agreed(first) and first[0].coord.state.epoch >= 1, 8, "a first plan")
@@ -149,6 +151,7 @@ def test_a_follower_that_misses_the_plans_gossip_fetches_it_from_the_coordinator
     assert deaf.coord.follower.pulled_plans >= 1
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_a_newcomer_deaf_to_gossip_learns_the_swarm_and_its_coordinator_from_its_bootstrap(contributors, mesh):
     """A newcomer used to wait for gossip (heartbeats, lease beats) that a loaded mesh delivers late, and
     claimed a term of its own meanwhile. Now its bootstrap answers its first beat with the view and whom it
@@ -176,6 +179,7 @@ def test_a_newcomer_deaf_to_gossip_learns_the_swarm_and_its_coordinator_from_its
     assert leaders(first + [newcomer]) == {leader.peer_id}
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_link_probes_reach_the_coordinators_cluster(contributors):
     nodes = contributors(3)
     stop = threading.Event()
@@ -423,6 +427,7 @@ def test_a_lease_lost_while_planning_is_a_normal_case_not_a_crash():
     assert not service.is_leader and service.state.epoch == 0  # nothing published, nothing raised
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_a_join_storm_gives_a_few_plans_not_one_per_arrival(contributors):
     first = contributors(3)  # enough memory between them for the model
     wait_for(lambda: agreed(first) and first[0].coord.state.epoch >= 1, 8, "a first plan")

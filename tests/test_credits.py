@@ -5,12 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from beeswarm.client.receipts import ReceiptBook
-from beeswarm.client.remote import Inbox, RemotePipeline, SessionSteps, StageBusy, StageFailed
+from beeswarm.client.dataplane import Inbox, RemotePipeline, SessionSteps, StageBusy, StageFailed
 from beeswarm.contributor import admission
+from beeswarm.contributor.sessions import Sessions
 from beeswarm.contributor.stage import StageServer
-from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE, MAX_AGE_S, MEMORY, CreditLedger, rank
-from beeswarm.coordinator.receipts import receipt_verifies, sign_ledger, sign_receipt, verify_ledger
+from beeswarm.credits.entry_receipts import ReceiptBook
+from beeswarm.credits.ledger import FREE_ALLOWANCE, MAX_AGE_S, MEMORY, CreditLedger, rank
+from beeswarm.credits.receipts import receipt_verifies, sign_ledger, sign_receipt, verify_ledger
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p import identity
@@ -212,7 +213,7 @@ def test_a_full_stage_admits_a_credited_payers_session_before_an_uncredited_ones
     (stage_node,) = mesh(1, members=False)
     runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
     balances = {rich.peer_id: 50_000}
-    StageServer(stage_node, runtime, kv_budget_bytes=runtime.kv_bytes(50), credit=balances.get).start()
+    StageServer(stage_node, runtime, Sessions(runtime.kv_bytes(50), credit=balances.get)).start()
     entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
     route = (Stage(node=stage_node.peer_id, span=Span(0, 8)),)
     pipes = {}
@@ -245,7 +246,7 @@ def test_a_full_stage_admits_a_speculative_session_with_smaller_trees_rather_tha
     full, least = len(prompt) + new + 4 * (MAX_TREE_NODES + 1), len(prompt) + new + MAX_TREE_NODES + 1
     (stage_node,) = mesh(1, members=False)
     runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
-    StageServer(stage_node, runtime, kv_budget_bytes=runtime.kv_bytes(full + least + 10)).start()
+    StageServer(stage_node, runtime, Sessions(runtime.kv_bytes(full + least + 10))).start()
     entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
     route = (Stage(node=stage_node.peer_id, span=Span(0, 8)),)
     pipes = []

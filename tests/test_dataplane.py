@@ -8,7 +8,8 @@ import msgspec
 import pytest
 import torch
 
-from beeswarm.client.remote import Inbox, RemotePipeline, StageBusy, StageFailed
+from beeswarm.client.dataplane import Inbox, PipelineOptions, RemotePipeline, StageBusy, StageFailed
+from beeswarm.contributor.sessions import Sessions
 from beeswarm.contributor.stage import StageServer
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
@@ -25,7 +26,7 @@ def pipeline(node, entry, route, **options) -> RemotePipeline:
     """A pipeline from `node` (its result inbox started on first use)."""
     if not hasattr(node, "inbox"):
         node.inbox = Inbox(node).start()
-    return RemotePipeline(node, node.inbox, entry, tuple(route), **options)
+    return RemotePipeline(node, node.inbox, entry, tuple(route), PipelineOptions(**options))
 
 
 @pytest.fixture
@@ -147,8 +148,8 @@ def test_sessions_expire_when_idle_and_need_memory(mesh, tiny_llama):
     (stage_node,) = mesh(1, members=False)
     runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
     now = [0.0]
-    server = StageServer(stage_node, runtime, idle_timeout_s=0.4, kv_budget_bytes=runtime.kv_bytes(100),
-                         clock=lambda: now[0]).start()
+    server = StageServer(stage_node, runtime, Sessions(runtime.kv_bytes(100), idle_timeout_s=0.4,
+                                                         clock=lambda: now[0])).start()
     (entry_node,) = mesh(1, members=False, bootstrap=[])
     entry_node.connect(stage_node.addrs[0])
     pipe = pipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"),
@@ -170,7 +171,7 @@ def test_a_session_refused_by_a_later_stage_is_closed_on_the_earlier_ones(mesh, 
     first, second = mesh(2, members=False)
     servers = [StageServer(first, SpanRuntime(tiny_llama, Span(0, 4), dtype="float32", device="cpu")).start()]
     runtime = SpanRuntime(tiny_llama, Span(4, 8), dtype="float32", device="cpu")
-    servers.append(StageServer(second, runtime, kv_budget_bytes=runtime.kv_bytes(10)).start())
+    servers.append(StageServer(second, runtime, Sessions(runtime.kv_bytes(10))).start())
     (entry_node,) = mesh(1, members=False, bootstrap=[])
     for node in (first, second):
         entry_node.connect(node.addrs[0])
@@ -188,7 +189,7 @@ def test_concurrent_opens_share_the_memory_budget_exactly(mesh, tiny_llama):
     """Sixteen entries' sessions opened at once: exactly the budget's worth succeed, the rest are refused."""
     (stage_node,) = mesh(1, members=False)
     runtime = SpanRuntime(tiny_llama, Span(0, 8), dtype="float32", device="cpu")
-    StageServer(stage_node, runtime, kv_budget_bytes=runtime.kv_bytes(50) * 5).start()
+    StageServer(stage_node, runtime, Sessions(runtime.kv_bytes(50) * 5)).start()
     (entry_node,) = mesh(1, members=False, bootstrap=[])
     entry_node.connect(stage_node.addrs[0])
     pipe = pipeline(entry_node, EntryModel(tiny_llama, dtype="float32", device="cpu"),
@@ -248,14 +249,13 @@ def test_a_stage_that_stops_beating_fails_the_waiting_step_at_once_and_may_come_
     pipe = pipeline(entry_node, entry, route)
     session = pipe.open(64)
     pipe.forward(session, torch.tensor([5, 6, 7]), 0)
-    thawed, run_batch = threading.Event(), servers[1]._run_batch
-    servers[1]._run_batch = lambda batch: (thawed.wait(30), run_batch(batch))  # frozen; its node stays connected
+    servers[1].pause()  # frozen; its node stays connected
     threading.Timer(0.5, pipe.lose, (stages[1].peer_id, "stopped beating")).start()
     t0 = time.monotonic()
     with pytest.raises(StageFailed, match="stopped beating") as e:
         pipe.forward(session, torch.tensor([8]), 3)
     assert e.value.peer == stages[1].peer_id and time.monotonic() - t0 < 10  # not the 30 s step timeout
-    thawed.set()
+    servers[1].resume()
     pipe.found(stages[1].peer_id)  # it beats again
     session = pipe.open(64)
     got = generate(lambda t, s: pipe.forward(session, t, s), [5, 6, 7], 8, SamplingParams())

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from beeswarm.client.remote import STEP_TIMEOUT_S
+from beeswarm.client.dataplane import STEP_TIMEOUT_S
 from fault_swarm import FaultSwarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]

@@ -1,45 +1,41 @@
 """Hostile peers against every protocol a node speaks: the node keeps serving, and generating exactly.
 
-The findings (py-libp2p 0.8.1 paths where one peer's bytes stopped the whole node; beeswarm/p2p/hardening.py
+The findings (py-libp2p 0.8.1 paths where one peer's bytes stopped the whole node; beeswarm/p2p/libp2p_hardening.py
 says where and how they are contained) each have a test named for them that failed before the fix.
-The barrage itself is benchmarks/hostile.py (benchmarks/fuzz_bench.py runs it with thousands of frames).
+The barrage itself is tests/hostile.py (benchmarks/fuzz_bench.py runs it with thousands of frames).
 """
 from __future__ import annotations
 
 import functools
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
+import hostile
 import pytest
 import trio
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 
 from beeswarm.audit.evidence import judge
-from beeswarm.client.remote import Inbox, RemotePipeline
+from beeswarm.client.dataplane import Inbox, RemotePipeline
 from beeswarm.contributor.lifecycle import Phase
 from beeswarm.contributor.stage import StageServer
 from beeswarm.coordinator.cluster import ModelShape
+from beeswarm.coordinator.coordinator import Coordinator
 from beeswarm.coordinator.follower import PlanFollower
-from beeswarm.coordinator.service import Coordinator
 from beeswarm.generation.generate import generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p.bans import STRIKES_PER_BAN, BanList
 from beeswarm.p2p.errors import NodeFailed
 from beeswarm.p2p.probe import Prober
-from beeswarm.p2p.requests import reply_decoder
 from beeswarm.p2p.supervisor import RESTART_MIN_S
-from beeswarm.protocol import Decoder, Message, ids
+from beeswarm.protocol import Message, ids
 from beeswarm.protocol.coordinator import Stage
+from beeswarm.protocol.rpcs import Rpc
 from beeswarm.shard import EntryModel, Span, SpanRuntime
 from helpers import LOCAL, reference_greedy, wait_for
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import hostile  # noqa: E402
 
 FRAMES_PER_PROTOCOL = 200  # `make test`; benchmarks/fuzz_bench.py sends thousands
 SEED = int(os.environ.get("FUZZ_SEED", "0"))  # another seed, another barrage
@@ -49,7 +45,7 @@ class Hello(Message, frozen=True, tag="hello"):
     n: int = 0
 
 
-HELLOS, HELLO_REPLIES = Decoder(Hello), reply_decoder(Hello)
+HELLO: Rpc[Hello, Hello] = Rpc("/test/hello/1", (Hello,), (Hello,))
 
 
 def hello(peer: str, msg: Hello) -> Hello:
@@ -82,7 +78,7 @@ async def send(evil, target: str, protocol: str, *frames: bytes) -> None:
 def target_good_evil(mesh):
     """A target that answers /test/hello/1, a good peer and a hostile one, all connected to it."""
     target, good, evil = mesh(3)
-    target.serve("/test/hello/1", hello, HELLOS)
+    target.serve(HELLO, hello)
     wait_for(lambda: {good.peer_id, evil.peer_id} <= set(target.connected_peers()), 10, "both peers to connect")
     return target, good, evil
 
@@ -103,7 +99,7 @@ def assert_unharmed(target, good, evil) -> None:
     wait_for(lambda: target.bans.is_banned(evil.peer_id) or target.failure, 10, "the hostile peer to be banned")
     assert target.failure is None, f"the node stopped: {target.failure!r}"
     assert target.running
-    assert good.request(target.peer_id, "/test/hello/1", Hello(n=1), HELLO_REPLIES).n == 2
+    assert good.request(target.peer_id, HELLO, Hello(n=1)).n == 2
     assert not target.bans.is_banned(good.peer_id)
 
 
@@ -143,7 +139,7 @@ def test_a_pubsub_message_with_a_key_that_does_not_parse_does_not_stop_the_node(
 # supervision of the node's own tasks -------------------------------------------------------------------
 def test_a_failing_task_is_restarted_with_backoff_and_a_failing_one_shot_just_ends(mesh):
     (node,) = mesh(1, members=False)
-    node.serve("/test/hello/1", hello, HELLOS)
+    node.serve(HELLO, hello)
     runs: list[float] = []
 
     async def flaky() -> None:
@@ -161,11 +157,11 @@ def test_a_failing_task_is_restarted_with_backoff_and_a_failing_one_shot_just_en
     first, second = runs[1] - runs[0], runs[2] - runs[1]
     # 0.5 s, then doubled (a busy machine only makes a sleep longer, so no upper bound)
     assert first >= RESTART_MIN_S - 0.02 and second >= 2 * RESTART_MIN_S - 0.02, (first, second)
-    time.sleep(0.2)
+    time.sleep(0.2)  # no fourth run comes at once (the next waits 2 s)
     assert len(runs) == 3 and node.failure is None
     (other,) = mesh(1, members=False, bootstrap=[node.addrs[0]])
     wait_for(lambda: node.peer_id in other.connected_peers(), 10, "a connection")
-    assert other.request(node.peer_id, "/test/hello/1", Hello(n=4), HELLO_REPLIES).n == 5
+    assert other.request(node.peer_id, HELLO, Hello(n=4)).n == 5
 
 
 class Uncontained(BaseException):
@@ -179,7 +175,7 @@ async def _boom() -> None:
 def test_a_node_whose_loop_ends_on_an_error_reports_it(mesh):
     (node,) = mesh(1, members=False)
     seen: list[BaseException] = []
-    node.on_failure.append(seen.append)
+    node.when_failed(seen.append)
     node.spawn(_boom)
     wait_for(lambda: seen, 10, "the node to report its failure")
     assert seen == [node.failure]
@@ -189,12 +185,12 @@ def test_a_node_whose_loop_ends_on_an_error_reports_it(mesh):
 
 def test_contribute_exits_1_with_one_line_when_its_node_fails(tiny_llama, tmp_path, monkeypatch, capsys):
     from beeswarm import cli
-    from beeswarm.contributor.process import Contributor
+    from beeswarm.contributor.contributor import Contributor
 
     monkeypatch.setenv("BEESWARM_CONFIG_DIR", str(tmp_path))
     monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyring.backends.fail.Keyring")
     monkeypatch.delenv("BEESWARM_IDENTITY", raising=False)
-    monkeypatch.setattr("beeswarm.p2p.logs.setup", lambda *a, **k: None)  # leave the test run's logging alone
+    monkeypatch.setattr("beeswarm.logs.setup", lambda *a, **k: None)  # leave the test run's logging alone
     made: list[Contributor] = []
     create = Contributor.create
     monkeypatch.setattr(Contributor, "create", lambda *a, **k: made.append(create(*a, **k)) or made[-1])

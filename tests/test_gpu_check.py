@@ -24,6 +24,7 @@ def test_the_gpu_check_passes_every_row_on_the_cpu(tmp_path):
     assert "equal transformers'" in rows["swarm"]["figure"]
 
 
+@pytest.mark.slow  # runs the script in a process of its own
 def test_the_gpu_check_says_what_to_do_without_cuda():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from bed_swarm import MODEL, PROMPT, Swarm
-from beeswarm.contributor.local import budgets
-from beeswarm.coordinator.service import UNREACHABLE
+from beeswarm.contributor.local_swarm import budgets
+from beeswarm.coordinator.coordinator import UNREACHABLE
 from beeswarm.p2p.reach import KEEP_S
 from helpers import lines_of, read_until, reference_greedy, wait_for
 from netbed import NetBed, require_netns

@@ -21,13 +21,12 @@ import msgspec
 import pytest
 
 from beeswarm.client.status import SwarmObserver
-from beeswarm.contributor.local import budgets
-from beeswarm.coordinator.credit_ledger import rank
-from beeswarm.coordinator.receipts import sign_receipt
+from beeswarm.contributor.local_swarm import budgets
+from beeswarm.credits.ledger import rank
+from beeswarm.credits.receipts import sign_receipt
 from beeswarm.p2p import identity
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import ids
-from beeswarm.protocol.credits import HandIn, Receipt, Recorded, swarm_id
+from beeswarm.protocol.credits import HandIn, Receipt, swarm_id
+from beeswarm.protocol.rpcs import HAND_IN
 from helpers import serve, start_contributors, wait_for
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`
@@ -48,7 +47,7 @@ class Swarm:
             reply = httpx.post(url + "/chat/completions", json=body, timeout=60)
             if reply.status_code != 503 or time.monotonic() > deadline:
                 break
-            time.sleep(1)
+            time.sleep(1)  # and asked again a second later
         assert reply.status_code == 200, reply.text
 
     def tally(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -151,8 +150,8 @@ def test_forged_foreign_and_unearned_receipts_are_refused_and_the_ledger_says_wh
     forged = msgspec.structs.replace(receipt("forged"), prefill=10**6)  # more than the payer signed for
     foreign = receipt("foreign", swarm_id("beeswarm", "another-model"))
     unearned = receipt("unearned")  # well signed, but this node serves nothing and says of no capacity
-    reply = observer.node.request(observer.coordinator.leader(), ids.CREDITS,
-                                  HandIn(receipts=(forged, foreign, unearned)), reply_decoder(Recorded), timeout=10)
+    reply = observer.node.request(observer.coordinator.leader(), HAND_IN,
+                                  HandIn(receipts=(forged, foreign, unearned)), timeout=10)
     assert reply.refused[0].startswith("forged")
     assert reply.refused[1].startswith("a receipt for another swarm")
     assert reply.refused[2].startswith("the stage's capacity is unknown")

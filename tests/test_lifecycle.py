@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
+from beeswarm.contributor.contributor import Contributor, ContributorOptions
 from beeswarm.contributor.lifecycle import Lifecycle, Phase
-from beeswarm.contributor.local import budgets
-from beeswarm.contributor.process import Contributor, ContributorOptions
+from beeswarm.contributor.local_swarm import budgets
 from beeswarm.contributor.stage import StageServer
 from beeswarm.p2p.identity import ephemeral
 from beeswarm.p2p.membership import Membership

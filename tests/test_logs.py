@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from beeswarm.p2p import logs
+from beeswarm import logs
 
 
 class Clock:
@@ -86,17 +86,9 @@ def test_summarised_handler_makes_one_line_and_hands_records_to_the_root_handler
 @pytest.fixture
 def saved_logging():
     """Put the loggers `logs.setup` changes back as they were."""
-    names = ["", logs.OURS, *logs.THIRD_PARTY]
-    saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers), logging.getLogger(n).propagate)
-             for n in names}
-    level = logs._level
+    saved = logs.save()
     yield
-    for n, (lvl, handlers, propagate) in saved.items():
-        logger = logging.getLogger(n)
-        logger.setLevel(lvl)
-        logger.handlers[:] = handlers
-        logger.propagate = propagate
-    logs._level = level
+    logs.restore(saved)
 
 
 def test_py_libp2p_records_go_through_our_configuration_even_after_its_import_resets_its_logger(saved_logging,

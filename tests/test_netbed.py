@@ -119,6 +119,7 @@ def sysctl(host, key: str) -> str:
                                                                     check=True)).stdout.strip()
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 @netns
 def test_idle_timeout_forgets_established_flows(net, servers):
     key = "net.netfilter.nf_conntrack_tcp_timeout_established"

@@ -19,9 +19,9 @@ from beeswarm.p2p import reach, wire
 from beeswarm.p2p.channel import Channel, Outbox
 from beeswarm.p2p.errors import PeerUnavailable
 from beeswarm.p2p.probe import Prober
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, Message, RemoteError, encode
+from beeswarm.protocol import Message, RemoteError, encode
 from beeswarm.protocol.membership import Heartbeat
+from beeswarm.protocol.rpcs import Rpc
 from helpers import INTERVAL, lines_of, read_until, wait_for
 
 
@@ -34,7 +34,8 @@ class Echo(Message, frozen=True, tag="echo"):
     peer: str = ""
 
 
-PINGS, ECHOES = Decoder(Ping), reply_decoder(Echo)
+ECHO: Rpc[Ping, Echo] = Rpc("/test/echo/1", (Ping,), (Echo,))
+SLOW: Rpc[Ping, Echo] = Rpc("/test/slow/1", (Ping,), (Echo,))
 
 
 def echo(peer: str, msg: Ping) -> Echo:
@@ -62,17 +63,17 @@ def test_membership_converges_and_a_stopped_node_is_declared_gone(swarm):
 
 def test_request_channel_and_stop_are_prompt(swarm):
     a, b = swarm(2, members=False)
-    a.serve("/test/echo/1", echo, PINGS)
+    a.serve(ECHO, echo)
     b.connect(a.addrs[0])
-    reply = b.request(a.peer_id, "/test/echo/1", Ping(n=7), ECHOES)
+    reply = b.request(a.peer_id, ECHO, Ping(n=7))
     assert reply == Echo(peer=b.peer_id, n=7)
     with pytest.raises(RemoteError, match="internal error"):  # handler bug (KeyError): an error reply
-        b.request(a.peer_id, "/test/echo/1", Ping(n=-1), ECHOES)
+        b.request(a.peer_id, ECHO, Ping(n=-1))
     a.stop()  # (how long it takes is p2p_bench's figure; here: it ends the node and its connections)
     assert not a.connected_peers()
     wait_for(lambda: a.peer_id not in b.connected_peers(), 10, "the stopped node's connection to close")
     with pytest.raises((PeerUnavailable, TimeoutError)):
-        b.request(a.peer_id, "/test/echo/1", Ping(n=1), ECHOES, timeout=3)
+        b.request(a.peer_id, ECHO, Ping(n=1), timeout=3)
 
 
 @pytest.mark.slow  # (8 s: a reader slower than the writer, on purpose)
@@ -83,7 +84,7 @@ def test_slow_reader_does_not_get_its_stream_reset(swarm):
 
     def slow(channel: Channel):
         def work():
-            time.sleep(8)
+            time.sleep(8)  # a handler busy for longer than the sender's patience, on purpose
             received.extend(channel.recv(timeout=10) for _ in range(4))
             channel.send(b"done")
         threading.Thread(target=work, daemon=True).start()
@@ -103,25 +104,25 @@ def test_private_swarm_admits_only_peers_with_the_secret(swarm):
     secret = b"correct horse battery staple"
     insiders = swarm(2, secret=secret)
     for n in insiders:
-        n.serve("/test/echo/1", echo, PINGS)
+        n.serve(ECHO, echo)
     wait_for(lambda: all(len(n.members.view()) == 1 for n in insiders), 10, "insiders to see each other")
-    assert insiders[1].request(insiders[0].peer_id, "/test/echo/1", Ping(), ECHOES).peer == insiders[1].peer_id
+    assert insiders[1].request(insiders[0].peer_id, ECHO, Ping()).peer == insiders[1].peer_id
     boot = insiders[0].addrs[0]
     (wrong,) = swarm(1, secret=b"wrong secret", bootstrap=[boot])
     (open_node,) = swarm(1, secret=None, bootstrap=[boot])
-    time.sleep(3 * INTERVAL)
+    time.sleep(3 * INTERVAL)  # long enough for three beats: none of them may reach an outsider
     for outsider in (wrong, open_node):
         assert outsider.members.view() == {}, "an outsider learned the membership"
         assert outsider.peer_id not in insiders[0].members.view()
         assert insiders[0].peer_id not in outsider.connected_peers()
         with pytest.raises((PeerUnavailable, TimeoutError, RemoteError)):
-            outsider.request(insiders[0].peer_id, "/test/echo/1", Ping(), ECHOES, timeout=3)
+            outsider.request(insiders[0].peer_id, ECHO, Ping(), timeout=3)
     assert len(insiders[0].members.view()) == 1
 
 
 def test_hostile_input_is_survived_while_a_good_peer_is_served(swarm):
     target, good, evil = swarm(3, members=False)
-    target.serve("/test/echo/1", echo, PINGS)
+    target.serve(ECHO, echo)
     Prober(target).start()
     got = []
     target.serve_channel("/test/chan/1", lambda ch: got.append(ch))
@@ -152,22 +153,22 @@ def test_hostile_input_is_survived_while_a_good_peer_is_served(swarm):
 
     def good_client():
         while not stop.is_set():
-            served.append(good.request(target.peer_id, "/test/echo/1", Ping(n=1), ECHOES, timeout=5).n)
+            served.append(good.request(target.peer_id, ECHO, Ping(n=1), timeout=5).n)
 
     worker = threading.Thread(target=good_client)
     worker.start()
     try:
         evil.call(barrage)
     finally:
-        time.sleep(0.5)
+        time.sleep(0.5)  # the good client keeps asking a little after the barrage too
         stop.set()
         worker.join(10)
     assert served and all(n == 1 for n in served)
     assert target.bans.is_banned(evil.peer_id)
     assert not target.bans.is_banned(good.peer_id)
-    assert good.request(target.peer_id, "/test/echo/1", Ping(n=2), ECHOES).n == 2
+    assert good.request(target.peer_id, ECHO, Ping(n=2)).n == 2
     with pytest.raises(RemoteError, match=r"\$\.n"):  # a bad field in a well-formed request: an error reply naming it
-        good.request(target.peer_id, "/test/echo/1", Ping(n="x"), ECHOES)  # type: ignore[arg-type]
+        good.request(target.peer_id, ECHO, Ping(n="x"))  # type: ignore[arg-type]
 
 
 def test_probe_measures_rtt_and_throughput(swarm):
@@ -249,7 +250,7 @@ def test_separate_processes_join_detect_a_kill_and_keep_identity(tmp_path):
 @pytest.mark.slow
 def test_a_node_stays_open_to_newcomers_after_hundreds_of_peers_vanished(mesh):
     """py-libp2p 0.8.1 held one of 250 inbound slots per connection ever accepted, until the process ended:
-    after ~250 peers had come and gone, every newcomer's handshake was reset (p2p/hardening.py, guard E).
+    after ~250 peers had come and gone, every newcomer's handshake was reset (p2p/libp2p_hardening.py, guard E).
     Its auto-connector also kept a record of every peer that ever left (p2p/transport.py)."""
     (node,) = mesh(1, members=False, setup=lambda n: setattr(n.config, "forget_every_s", 1.0))
     addr = node.addrs[0]
@@ -281,11 +282,11 @@ def test_a_node_behind_a_relay_is_reachable_through_it(mesh):
         node.config.relays = [relay_addr]
 
     (target,) = mesh(1, bootstrap=[relay_addr], setup=behind_nat)
-    target.serve("/test/echo/1", echo, PINGS)
+    target.serve(ECHO, echo)
     assert target.addrs == [f"{relay_addr}/p2p-circuit/p2p/{target.peer_id}"]
     (source,) = mesh(1, bootstrap=[relay_addr])
     assert source.connect(target.addrs[0]) == target.peer_id
-    assert source.request(target.peer_id, "/test/echo/1", Ping(n=5), ECHOES).n == 5
+    assert source.request(target.peer_id, ECHO, Ping(n=5)).n == 5
     wait_for(lambda: target.peer_id in source.members.view(), 10, "the relayed node in the membership")
 
 
@@ -338,6 +339,7 @@ def test_strikes_from_endless_new_identities_keep_the_ban_list_bounded_and_bans_
     assert not bans.strike(last, "malformed") and bans.strike(last, "malformed")
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_a_paused_node_does_not_drop_the_members_that_kept_beating(mesh):
     """SIGSTOP, then SIGCONT: the node's clock jumps; its members' silence timers start again instead of
     every member being dropped at once (and rejoining a beat later, re-planning the swarm twice)."""
@@ -356,7 +358,7 @@ def test_a_paused_node_does_not_drop_the_members_that_kept_beating(mesh):
     (b,) = mesh(1, bootstrap=[a.addrs[0]], members=False, setup=paused_clock)
     wait_for(lambda: a.peer_id in b.members.view(), 10, "b to see a")
     offset[0] += 30.0  # as if b had been stopped for 30 s while a kept beating
-    time.sleep(4 * INTERVAL)
+    time.sleep(4 * INTERVAL)  # past MISSED_BEATS intervals: a would have been dropped by now
     assert a.peer_id in b.members.view() and not left
 
 
@@ -380,7 +382,7 @@ def test_a_channel_arriving_while_the_node_stops_is_no_error(mesh, caplog):
 
     def slow_handler(channel: Channel) -> None:  # still running when the node's own tasks have ended
         arrived.set()
-        time.sleep(1.0)
+        time.sleep(1.0)  # busy while the node stops
 
     a.serve_channel("/test/slow/1", slow_handler)
     b.open_channel(a.peer_id, "/test/slow/1")
@@ -524,18 +526,17 @@ def test_slow_handlers_with_threads_of_their_own_never_starve_the_quick_ones(mes
         release.wait(30)
         return echo(peer, msg)
 
-    a.serve("/test/slow/1", audit, PINGS, threads=1)
-    a.serve("/test/echo/1", echo, PINGS)
+    a.serve(SLOW, audit, threads=1)
+    a.serve(ECHO, echo)
     b.connect(a.addrs[0])
     replies: list = []
-    slow = [threading.Thread(target=lambda i=i: replies.append(b.request(a.peer_id, "/test/slow/1", Ping(n=i),
-                                                                          ECHOES, timeout=60)))
+    slow = [threading.Thread(target=lambda i=i: replies.append(b.request(a.peer_id, SLOW, Ping(n=i), timeout=60)))
             for i in range(48)]
     try:
         for t in slow:
             t.start()
         time.sleep(1.0)  # the slow requests arrive first (were this too short, the test would pass, never fail)
-        assert b.request(a.peer_id, "/test/echo/1", Ping(n=7), ECHOES, timeout=5) == Echo(n=7, peer=b.peer_id)
+        assert b.request(a.peer_id, ECHO, Ping(n=7), timeout=5) == Echo(n=7, peer=b.peer_id)
     finally:
         release.set()
         for t in slow:

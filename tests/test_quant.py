@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from beeswarm.client.swarm import ClientOptions, SwarmClient
-from beeswarm.contributor.process import model_shape
+from beeswarm.contributor.contributor import model_shape
 from beeswarm.coordinator.cluster import Cluster, Entry, NodeSpec, Workload, stage_ms
 from beeswarm.coordinator.planner import PlanError, plan
 from beeswarm.generation.sampling import SamplingParams

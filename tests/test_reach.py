@@ -16,10 +16,9 @@ from beeswarm.p2p.dialback import Answer, Reachability, verdict
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import ids
 from beeswarm.protocol.membership import NodeInfo
 from beeswarm.protocol.reach import DialBack, DialedBack
+from beeswarm.protocol.rpcs import DIALBACK
 from helpers import INTERVAL, LOCAL, wait_for
 
 
@@ -67,6 +66,7 @@ def test_a_node_listening_on_every_interface_never_announces_0_0_0_0():
         wide.stop()
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_a_bootstrap_that_refuses_is_named_with_its_error():
     addr = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{identity.ephemeral().peer_id}"
     node = Node(identity.ephemeral(), NodeConfig(listen=LOCAL, bootstrap=[addr])).start()
@@ -104,6 +104,7 @@ def test_joining_a_bootstrap_that_refuses_fails_within_seconds_naming_it(command
     assert took < 30, f"{took:.1f} s to say the bootstrap is unreachable"
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_peers_dial_a_node_back_so_it_learns_it_is_public_and_says_so(mesh):
     a, b, c = mesh(3)
     for node in (a, b, c):
@@ -114,6 +115,7 @@ def test_peers_dial_a_node_back_so_it_learns_it_is_public_and_says_so(mesh):
     assert heard
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 def test_a_dial_back_reaches_only_a_libp2p_listener_at_the_askers_own_address(mesh):
     """A port nobody listens on, or something that is not a libp2p node, is not dialable; the asker's address is
     the only one dialled (nobody can aim a node's dials at a third host), and a peer is answered at most so often."""
@@ -124,10 +126,9 @@ def test_a_dial_back_reaches_only_a_libp2p_listener_at_the_askers_own_address(me
         other.bind(("127.0.0.1", 0))
         other.listen()
         silent = other.getsockname()[1]
-        reply = a.request(b.peer_id, ids.DIALBACK, DialBack(ports=(closed_port(), silent, port)),
-                          reply_decoder(DialedBack), timeout=20)
+        reply = a.request(b.peer_id, DIALBACK, DialBack(ports=(closed_port(), silent, port)), timeout=20)
     assert reply.observed_ip == "127.0.0.1" and reply.dialable == (port,)
-    again = a.request(b.peer_id, ids.DIALBACK, DialBack(ports=(port,)), reply_decoder(DialedBack), timeout=20)
+    again = a.request(b.peer_id, DIALBACK, DialBack(ports=(port,)), timeout=20)
     assert again.observed_ip == "" and again.dialable == (), "answered again within ANSWER_EVERY_S"
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Callable
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from beeswarm.generation.generate import generate
-from beeswarm.generation.sampling import Noise, SamplingParams, penalize, probabilities
+from beeswarm.generation.sampling import Noise, Sampling, SamplingParams, penalize, probabilities
 from beeswarm.spec import speculate
 from beeswarm.spec.draft import DraftError, DraftModel
+from beeswarm.spec.layout import KVLayout
 from beeswarm.spec.speculate import SpecReport, speculative_generate
 from beeswarm.spec.tree import ROOT, DraftTree, grow_tree
 from beeswarm.spec.tuner import (
@@ -229,6 +231,7 @@ def verify_first_when_possible(tree, target_logits, params, noise, position) -> 
         verdict.path.append(node)
 
 
+@pytest.mark.slow  # 3 s or more: out of `make test-fast`
 @pytest.mark.parametrize("verifier,exact,penalty", [(verify, True, 1.0), (verify_first_when_possible, False, 1.0),
                                                    (verify, True, 1.5)],
                          ids=["noise-keyed-draws", "wrong-rule", "repetition-penalty"])
@@ -318,10 +321,11 @@ def test_a_pipelined_fresh_tree_sends_its_first_levels_ahead_and_the_places_are_
     the_draft = draft(tinycode)
     the_draft.reset(400)
     tuner = Tuner(depth=5, width=2, in_flight=3)
-    spec = speculate._Speculation(speculate.Eager(forward), the_draft, GREEDY, tuner, None, PROMPT + [first],
-                                  len(PROMPT), 400, 3, SpecReport(), lambda token: True)
+    spec = speculate.Speculation(speculate.Flight(speculate.Eager(forward), 3, tuner.costs),
+                                 KVLayout(len(PROMPT), capacity=400), the_draft, Sampling(GREEDY, None), tuner,
+                                 PROMPT + [first], lambda token: True, SpecReport())
     spec.fill()
-    (ahead, rest, _continuation), tree = spec.flight, spec.tree  # three in flight, as pinned
+    (ahead, rest, _continuation), tree = spec.flight.steps, spec.tree  # three in flight, as pinned
     tinycode.close(session)
 
     def below(node: int) -> int:
@@ -342,7 +346,7 @@ def test_a_pipelined_fresh_tree_sends_its_first_levels_ahead_and_the_places_are_
             places.append(p)
         elif len(tree.candidates[node]) < speculate.MAX_CANDIDATES and tree.untried(node) is not None:
             places.append(p * chance(tree.untried(node)[1], len(children)))
-        stack += [(c, p * chance(*spec.drafted[c])) for c in children if c in spec.slots]
+        stack += [(c, p * chance(*spec.drafted[c])) for c in children if c in spec.kv.slots]
 
     def reach(node: int) -> float:
         p = 1.0
@@ -489,3 +493,54 @@ def test_pipelined_plans_on_long_rings_at_good_acceptance_and_serial_rounds_else
     for _ in range(10):
         measured_slower.observe_pipelined(long_ring.model_rate, 0.8 * long_ring.serial_rate)
     assert measured_slower.plan().depth == 1
+
+
+def test_a_steps_keep_moves_the_committed_nodes_to_the_front_then_the_live_ones_and_drops_the_rest():
+    """The layout the entry assumes of every stage's KV: 5 committed tokens, then one step of nodes 0..3 (0 the
+    walk's node, 0 -> 1 -> 2 and 0 -> 3). The walk commits 1; only 2 is still committable."""
+    kv = KVLayout(5, capacity=16)
+    kv.spine = {0}
+    assert kv.place([0, 1, 2, 3]) == 5 and kv.end == 9
+    kv.spine.add(1)
+    keep, live, forgotten = kv.compact(1, alive=lambda node: node == 2)
+    assert keep == (5, [0, 1, 2]) and live == [2] and forgotten == [0, 3]  # 0 and 1 are in base now
+    assert (kv.base, kv.slots, kv.end, kv.spine) == (7, {2: 7}, 8, {1})
+    # nothing moved since: the next step carries no keep (the stages compact nothing)
+    assert kv.compact(1, alive=lambda node: True) == (None, [2], [])
+    assert kv.place([4]) == 8
+
+
+class _Recorded:
+    """A target that records what it was sent and answers only when asked to."""
+
+    def __init__(self):
+        self.sent, self.discarded = [], []
+
+    def submit(self, ids, start, mask, keep, cancel=False):
+        self.sent.append((ids.tolist(), start, keep, cancel))
+        return len(self.sent) - 1
+
+    def collect(self, handle):
+        return torch.full((len(self.sent[handle][0]), 4), float(handle)), time.perf_counter()
+
+    def discard(self, handle):
+        self.discarded.append(handle)
+
+
+def test_steps_in_flight_come_back_oldest_first_and_a_cancel_rides_with_the_next_step_only():
+    target = _Recorded()
+    flight = speculate.Flight(target, 3, Tuner().costs)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    for i in range(3):
+        flight.send(torch.tensor([i]), [i], 5 + i, mask, None, 0.001, 1, continuation=i > 0)
+    step, logits = flight.receive()
+    assert step.rows == [0] and float(logits[0, 0]) == 0.0 and len(flight) == 2
+    assert flight.live(lambda node: node == 2) == 1  # the step of node 1 is dead for good
+    assert flight.live(lambda node: True) == 1
+    assert flight.cancel() == (2, 2) and target.discarded == [1, 2] and len(flight) == 0
+    flight.send(torch.tensor([7]), [7], 8, mask, (5, [0]), 0.001, 1, continuation=False)
+    flight.send(torch.tensor([8]), [8], 9, mask, None, 0.001, 1, continuation=True)
+    assert [cancel for *_, cancel in target.sent] == [False, False, False, True, False]
+    assert flight.cancel() == (2, 2) and flight.cancel() == (0, 0)
+    flight.send(torch.tensor([9]), [9], 8, mask, None, 0.001, 1, continuation=False)
+    assert target.sent[-1][-1] is True  # one cancel flag however many cancels came before the step

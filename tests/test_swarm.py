@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from beeswarm.client.swarm import SwarmClient
-from beeswarm.contributor.local import budgets
+from beeswarm.contributor.local_swarm import budgets
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from beeswarm.spec.draft import DraftModel
@@ -139,7 +139,7 @@ def test_newer_families_through_a_three_process_swarm_equal_transformers(tiny_mo
             try:
                 modes = [(False, None), (True, None)] + [(True, 3)] * (family == families[0])  # one per pair
                 for speculate, in_flight in modes:
-                    client.speculate, client.tuner = speculate, Tuner(in_flight=in_flight)
+                    client.speculate, client.drafting.tuner = speculate, Tuner(in_flight=in_flight)
                     out = client.generate(prompt, 12, SamplingParams(), route_timeout=90)
                     assert out.generation.tokens == expected, (family, speculate, in_flight)
                     assert (out.spec is not None) == speculate

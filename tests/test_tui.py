@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from beeswarm.audit.auditor import AuditCounts
 from beeswarm.client.chat import ChatSession
 from beeswarm.client.swarm import SwarmClient
-from beeswarm.contributor.local import LocalSwarm
+from beeswarm.contributor.local_swarm import LocalSwarm
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.shard import EntryModel
 from beeswarm.spec.draft import DraftModel
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fa
 
 @pytest.fixture(scope="module")
 def swarm_client(tiny_llama, tmp_path_factory):
-    swarm = LocalSwarm(2, str(tiny_llama), heartbeat=1.0)
+    swarm = LocalSwarm(2, str(tiny_llama))
     client = None
     try:
         bootstrap = swarm.start()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from beeswarm.contributor.local import budgets
+from beeswarm.contributor.local_swarm import budgets
 from helpers import past_probation, serve, start_contributors, wait_for
 
 pytestmark = pytest.mark.slow  # starts beeswarm processes: not in `make test-fast`

@@ -12,7 +12,7 @@ from typing import Any
 from beeswarm.api.schema import ApiError, ChatMessage
 from beeswarm.api.stops import StopText
 from beeswarm.client.chat import template_ids
-from beeswarm.client.remote import Route, StageBusy, StageFailed
+from beeswarm.client.dataplane import Route, StageBusy, StageFailed
 from beeswarm.client.swarm import NoRoute, SwarmClient
 from beeswarm.client.textstream import TextStream, stop_ids
 from beeswarm.generation.generate import EndGeneration

@@ -34,9 +34,8 @@ from beeswarm.audit.evidence import (
 )
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
 from beeswarm.p2p.signatures import sign_bytes, verify_bytes
-from beeswarm.protocol import ErrorReply, Message, ProtocolError, RemoteError, ids
+from beeswarm.protocol import ErrorReply, Message, ProtocolError, RemoteError
 from beeswarm.protocol.audit import (
     AuditAsk,
     Audited,
@@ -48,7 +47,7 @@ from beeswarm.protocol.audit import (
     commission_body,
     commits_digest,
 )
-from beeswarm.protocol.encoding import Decoder
+from beeswarm.protocol.rpcs import PEER_AUDIT, REVEAL
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +76,9 @@ class PeerAuditService:
         if self.lax:
             log.warning("TEST FAULT ON: this auditor passes every audit without checking (%s)", LAX_ENV)
         self.audits = 0
-        self._reveals = reply_decoder(Revealed, limit=node.config.max_tensor_bytes)
 
     def start(self) -> None:
-        self.node.serve(ids.PEER_AUDIT, self._on_ask, Decoder(AuditAsk, limit=self.node.config.max_tensor_bytes),
-                        threads=1)
+        self.node.serve(PEER_AUDIT, self._on_ask, threads=1)
 
     def _on_ask(self, peer: str, ask: AuditAsk) -> Message:
         c, commits = ask.commission, ask.commits
@@ -122,9 +119,8 @@ class PeerAuditService:
             return ErrorReply(error=f"this auditor knows no address for {c.stage} yet", busy=True)
         try:
             layers_for(self.runtime_for, layers)  # first: no room here is known before the stage reveals for nothing
-            revealed = self.node.request(c.stage, ids.AUDIT, Reveal(session=c.session, step=c.step, commission=c,
-                                                                    piece=c.piece),
-                                         self._reveals, timeout=REVEAL_TIMEOUT_S)
+            revealed = self.node.request(c.stage, REVEAL, Reveal(session=c.session, step=c.step, commission=c,
+                                                                 piece=c.piece), timeout=REVEAL_TIMEOUT_S)
             with torch.inference_mode():
                 examined = examine(c.entry, commits, revealed, self.runtime_for, self.node.config.max_tensor_bytes,
                                    complete=True, unobserved=frozenset(ask.unobserved), boundaries=ask.boundaries)
@@ -147,9 +143,7 @@ class PeerAuditService:
 def ask_peer(node: Node, auditor: str, ask: AuditAsk, timeout: float) -> Audited:
     """Ask `auditor` (RemoteError, NodeError, TimeoutError as `Node.request`; ProtocolError when its answer is
     not its own signed verdict on this very audit, or its evidence is not about it)."""
-    limit = node.config.max_tensor_bytes
-    answer: Audited = node.request(auditor, ids.PEER_AUDIT, ask, reply_decoder(Audited, limit=limit), timeout=timeout,
-                                   limit=limit)
+    answer = node.request(auditor, PEER_AUDIT, ask, timeout=timeout)
     c, v, ev = ask.commission, answer.verdict, answer.evidence
     if (v.auditor, v.entry, v.stage, v.session, v.step, v.piece) != \
             (auditor, c.entry, c.stage, c.session, c.step, c.piece) or \

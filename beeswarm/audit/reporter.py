@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from beeswarm.audit import probation
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import RemoteError, Span, encode, ids
-from beeswarm.protocol.audit import Credited, Evidence, Passed, Verdict
+from beeswarm.protocol import RemoteError, Span
+from beeswarm.protocol.audit import Evidence, Passed, Verdict
+from beeswarm.protocol.rpcs import EVIDENCE, PASSED
 from beeswarm.protocol.step import Commit
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,6 @@ class CoordinatorReporter:
         self._cond = threading.Condition()
         self._vouching = 0  # passes on their way to the coordinator
         self._vouched: dict[tuple[str, str], int] = {}  # (coordinator, stage) -> passes it took from this entry
-        self._verdicts = reply_decoder(Verdict)
-        self._credits = reply_decoder(Credited)
 
     def report(self, evidence: Evidence) -> Verdict | None:
         """Send signed evidence to the coordinator; its verdict, or None (nobody to tell, or no answer)."""
@@ -39,9 +37,7 @@ class CoordinatorReporter:
             log.warning("no coordinator to send the evidence against %s to", evidence.accused)
             return None
         try:
-            verdict: Verdict = self.node.request(coordinator, ids.EVIDENCE, evidence, self._verdicts,
-                                                 timeout=EVIDENCE_TIMEOUT_S,
-                                                 limit=self.node.config.max_tensor_bytes)  # it carries the reveal
+            verdict = self.node.request(coordinator, EVIDENCE, evidence, timeout=EVIDENCE_TIMEOUT_S)
         except (RemoteError, NodeError, TimeoutError) as e:
             log.warning("the coordinator did not take the evidence against %s: %s", evidence.accused, e)
             return None
@@ -56,12 +52,12 @@ class CoordinatorReporter:
             if self._vouched.get((coordinator, commit.stage), 0) >= probation.PER_ENTRY:
                 return  # its ledger counts no more of this stage's passes from this entry
             self._vouching += 1
-        body = encode(Passed(session=session, commit=commit, layers=tuple(layers), steps=steps))
-        self.node.spawn(self._vouch_async, coordinator, commit.stage, body)
+        passed = Passed(session=session, commit=commit, layers=tuple(layers), steps=steps)
+        self.node.spawn(self._vouch_async, coordinator, commit.stage, passed)
 
-    async def _vouch_async(self, coordinator: str, stage: str, body: bytes) -> None:
+    async def _vouch_async(self, coordinator: str, stage: str, passed: Passed) -> None:
         try:
-            await self.node.requests.request(coordinator, ids.PASSED, body, self._credits, timeout=VOUCH_DRAIN_S)
+            await self.node.requests.request(coordinator, PASSED, passed, timeout=VOUCH_DRAIN_S)
             with self._cond:
                 if len(self._vouched) >= MAX_KNOWN:
                     self._vouched.clear()

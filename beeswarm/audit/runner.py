@@ -20,7 +20,6 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -29,9 +28,9 @@ from beeswarm.audit.evidence import CannotRecompute, RevealRefused, RuntimeFor, 
 from beeswarm.audit.peer import ask_peer, sign_commission
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, ProtocolError, RemoteError, Span, ids
+from beeswarm.protocol import ProtocolError, RemoteError, Span
 from beeswarm.protocol.audit import AuditAsk, Audited, Boundaries, Commission, Evidence, Reveal, Revealed
+from beeswarm.protocol.rpcs import BOUNDARIES, REVEAL, Rep, Rpc
 from beeswarm.protocol.step import Commit
 
 log = logging.getLogger(__name__)
@@ -115,8 +114,6 @@ class AuditRunner:
         self.second_opinion = second_opinion
         self.rng = rng or random.SystemRandom()
         self.sleep = sleep
-        self._reveals = reply_decoder(Revealed, limit=node.config.max_tensor_bytes)
-        self._boundaries = reply_decoder(Boundaries, limit=node.config.max_tensor_bytes)
 
     def run(self, session: str, stage: str, step: int, commits: Sequence[Commit], unobserved: frozenset[int],
             probation: bool, whole: bool) -> Outcome:
@@ -188,20 +185,19 @@ class AuditRunner:
         return checked_part
 
     def _ask_boundaries(self, audit: _Audit) -> Boundaries:
-        b: Boundaries = self._ask_stage(audit, Reveal(session=audit.session, step=audit.step, boundaries=True),
-                                        self._boundaries)
+        b = self._ask_stage(audit, BOUNDARIES, Reveal(session=audit.session, step=audit.step, boundaries=True))
         if (b.stage, b.session, b.span) != (audit.stage, audit.session, audit.span) or \
                 not layers.boundaries_signed(b, self.node.peer_id):
             raise ProtocolError("the boundaries are not the stage's own, signed for this session and span")
         return b
 
-    def _ask_stage(self, audit: _Audit, reveal: Reveal, replies: Decoder[Any]) -> Any:
+    def _ask_stage(self, audit: _Audit, rpc: Rpc[Reveal, Rep], reveal: Reveal) -> Rep:
         """The stage's answer to `reveal`. A link that cannot be made (lost, being made again through another relay,
         the stage banned here a few seconds for the failure that lost it) is tried again for REACH_S: _Unreachable."""
         waited, pause = 0.0, 0.5
         while True:
             try:
-                return self.node.request(audit.stage, ids.AUDIT, reveal, replies, timeout=REVEAL_TIMEOUT_S)
+                return self.node.request(audit.stage, rpc, reveal, timeout=REVEAL_TIMEOUT_S)
             except NodeError as e:
                 if waited >= REACH_S:
                     raise _Unreachable(f"could not reach it for {waited:.0f} s: {e}") from None
@@ -277,8 +273,7 @@ class AuditRunner:
                     runtime_for: RuntimeFor) -> _Checked | Fail | Unchecked:
         """Check `piece` (None: the whole span) with layers loaded here: the stage reveals it to this entry."""
         try:
-            revealed = self._ask_stage(audit, Reveal(session=audit.session, step=audit.step, piece=piece),
-                                       self._reveals)
+            revealed = self._ask_stage(audit, REVEAL, Reveal(session=audit.session, step=audit.step, piece=piece))
             with torch.inference_mode():
                 examined = examine(self.node.peer_id, audit.commits, revealed, runtime_for,
                                    self.node.config.max_tensor_bytes, complete=True, unobserved=audit.unobserved,

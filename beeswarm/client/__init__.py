@@ -1,1 +1,2 @@
-"""The entry side: sessions over routes through the swarm, failover, chat sessions, the local oracle."""
+"""The entry side: sessions through the stages of a route (`dataplane`), routes and failover (`swarm`), audits
+and receipts of the work served, chat sessions, the swarm as a status client sees it."""

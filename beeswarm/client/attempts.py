@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from beeswarm.client.remote import Route, StageBusy, StageFailed
+from beeswarm.client.dataplane import Route, StageBusy, StageFailed
 from beeswarm.generation.generate import Generation
 from beeswarm.generation.sampling import Noise, SamplingParams, new_noise
 from beeswarm.spec.speculate import SpecReport

@@ -13,7 +13,7 @@ from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node
 from beeswarm.protocol.spans import Span
 from beeswarm.shard import benchmark
-from beeswarm.shard.entry import EntryModel
+from beeswarm.shard.entry_model import EntryModel
 from beeswarm.shard.span import SpanRuntime
 
 log = logging.getLogger(__name__)

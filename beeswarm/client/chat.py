@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from beeswarm.client.attempts import SwarmGeneration
-from beeswarm.client.remote import Route
+from beeswarm.client.dataplane import Route
 from beeswarm.client.swarm import SwarmClient
 from beeswarm.client.textstream import TextStream, stop_ids
 from beeswarm.generation.sampling import SamplingParams
@@ -53,10 +53,10 @@ class ChatSession:
 
     @property
     def can_speculate(self) -> bool:
-        return self.client.draft is not None
+        return self.client.drafting is not None
 
     def set_speculation(self, on: bool) -> None:
-        if on and self.client.draft is None:
+        if on and self.client.drafting is None:
             raise ValueError("this model has no draft: start with --draft REF to speculate")
         self.client.speculate = on
 

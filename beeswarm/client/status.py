@@ -14,18 +14,17 @@ from beeswarm.p2p import identity
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import ProtocolError, RemoteError, ids
+from beeswarm.protocol import ProtocolError, RemoteError
 from beeswarm.protocol.coordinator import assignments
-from beeswarm.protocol.credits import LEDGER_LIMIT, LedgerRequest, LedgerState, SignedLedger
+from beeswarm.protocol.credits import LedgerRequest, LedgerState
 from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.rpcs import LEDGER
 
 # Right after joining, gossipsub hands a newcomer the last few seconds of messages it missed (IHAVE/IWANT),
 # in no particular order: a member's older heartbeat ("loading", no spans) can arrive after its newest.
 # A member's info is trusted once a heartbeat of it arrived this long after the start.
 REPLAY_S = 2.0
 log = logging.getLogger(__name__)
-_ledger_replies = reply_decoder(SignedLedger, limit=LEDGER_LIMIT)
 
 
 class Unreachable(Exception):
@@ -90,7 +89,7 @@ class SwarmObserver:
         leader = self.coordinator.leader()
         if leader is not None:
             try:
-                signed = self.node.request(leader, ids.CREDITS, LedgerRequest(), _ledger_replies, timeout=timeout)
+                signed = self.node.request(leader, LEDGER, LedgerRequest(), timeout=timeout)
                 self.coordinator.take_ledger(leader, signed)
             except (TimeoutError, NodeError, RemoteError, ProtocolError) as e:
                 log.info("could not get the ledger from the coordinator %s: %s", leader, e)

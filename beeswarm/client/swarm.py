@@ -21,10 +21,10 @@ from beeswarm.audit import DEFAULT_RATE
 from beeswarm.audit.auditor import AuditCounts, Auditor
 from beeswarm.client.attempts import Backoff, Busy, Caught, Done, Failed, Outcome, Progress, Request, SwarmGeneration
 from beeswarm.client.audits import entry_audits
-from beeswarm.client.receipts import ReceiptBook
-from beeswarm.client.remote import (
+from beeswarm.client.dataplane import (
     Inbox,
     OutOfStep,
+    PipelineOptions,
     RemotePipeline,
     Route,
     SessionSteps,
@@ -33,6 +33,7 @@ from beeswarm.client.remote import (
     StepTimedOut,
 )
 from beeswarm.coordinator.follower import PlanFollower
+from beeswarm.credits.entry_receipts import ReceiptBook
 from beeswarm.generation.generate import EndGeneration, generate
 from beeswarm.generation.sampling import SamplingParams
 from beeswarm.p2p import identity
@@ -42,7 +43,7 @@ from beeswarm.p2p.probe import Prober
 from beeswarm.protocol.coordinator import Pipeline, Stage
 from beeswarm.protocol.credits import swarm_id
 from beeswarm.protocol.membership import NodeInfo
-from beeswarm.shard.entry import EntryModel
+from beeswarm.shard.entry_model import EntryModel
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.speculate import speculative_generate
 from beeswarm.spec.tuner import MAX_IN_FLIGHT, MAX_TREE_NODES, Tuner
@@ -72,6 +73,13 @@ def find_route(active: tuple[Pipeline, ...], view: dict[str, NodeInfo],
     return None
 
 
+@dataclass
+class Drafting:
+    """What an entry speculates with: its draft, and the tuner keeping its acceptance figures across generations."""
+    draft: DraftModel
+    tuner: Tuner
+
+
 @dataclass(frozen=True)
 class ClientOptions:
     mode: str = "push"  # push | hops (back to the entry after every stage, the way Petals routes)
@@ -87,16 +95,15 @@ class SwarmClient:
     """Generation through the swarm. Its parts are injected; `create` builds them; `start()` starts the node."""
 
     def __init__(self, entry: EntryModel, node: Node, members: Membership, coordinator: PlanFollower,
-                 options: ClientOptions | None = None, draft: DraftModel | None = None, tuner: Tuner | None = None,
+                 options: ClientOptions | None = None, drafting: Drafting | None = None,
                  payer: KeyPair | None = None, auditor: Auditor | None = None):
-        """`coordinator`: the coordinator as this client follows it (its lease and plans); `draft`: speculate
-        with it (None: one token per pass); `tuner` keeps its acceptance figures across generations; `payer`:
-        the key whose credit its generations spend (None: its node's own); `auditor`: audits the stages' work
-        (None: nobody does; it is started with the client)."""
+        """`coordinator`: the coordinator as this client follows it (its lease and plans); `drafting`: speculate
+        with it (None: one token per pass); `payer`: the key whose credit its generations spend (None: its
+        node's own); `auditor`: audits the stages' work (None: nobody does; it is started with the client)."""
         self.entry, self.node, self.members, self.coordinator = entry, node, members, coordinator
         self.options = options or ClientOptions()
-        self.draft, self.tuner = draft, tuner or Tuner()
-        self.speculate = draft is not None
+        self.drafting = drafting
+        self.speculate = drafting is not None  # speculate while it has a draft (chat turns it off and on)
         self.inbox = Inbox(node)
         self._draft_busy = threading.Lock()  # one draft, one generation at a time: others run plainly
         self._pipes: dict[Route, RemotePipeline] = {}
@@ -178,7 +185,8 @@ class SwarmClient:
         coordinator = PlanFollower(node, members, interval=interval)  # a client follows plans, never makes them
         o = options or ClientOptions()
         auditor = entry_audits(node, coordinator, members, entry, o.audit_rate, o.audit_here)
-        return cls(entry, node, members, coordinator, o, draft, tuner, payer, auditor)
+        drafting = Drafting(draft, tuner or Tuner()) if draft is not None else None
+        return cls(entry, node, members, coordinator, o, drafting, payer, auditor)
 
     def start(self) -> SwarmClient:
         self.members.listeners.append(self._on_member)
@@ -282,14 +290,14 @@ class SwarmClient:
         live = {p.stages for p in self.coordinator.state.active} | {route}
         with self._lock:  # (a pipeline another generation is on stays: closing it would fail its steps)
             stale = [r for r, p in self._pipes.items()
-                     if (r not in live or p.mode != o.mode) and not self._using[r]]
+                     if (r not in live or p.options.mode != o.mode) and not self._using[r]]
             retired = [self._pipes.pop(r) for r in stale]
             self._retired = (self._retired[0] + sum(p.wire_bytes for p in retired),
                              self._retired[1] + sum(p.raw_bytes for p in retired))
             if route not in self._pipes:
-                self._pipes[route] = RemotePipeline(self.node, self.inbox, self.entry, route, o.mode,
-                                                    o.link_bytes_per_s, compress=o.compress, auditor=self.auditor,
-                                                    receipts=self.receipts)
+                self._pipes[route] = RemotePipeline(
+                    self.node, self.inbox, self.entry, route,
+                    PipelineOptions(o.mode, o.link_bytes_per_s, compress=o.compress), self.auditor, self.receipts)
             pipe = self._pipes[route]
         for old in retired:
             old.close()
@@ -318,7 +326,7 @@ class SwarmClient:
         tokens are final. Tokens computed through a stage on probation are final only once the audit of its
         whole session passed (at the end of the attempt); others at once (a per-step audit may still catch a
         stage later, rarely). A caller that shows text to someone who cannot unsee it shows only those."""
-        speculate = self.speculate and self.draft is not None and self._draft_busy.acquire(blocking=False)
+        speculate = self.speculate and self.drafting is not None and self._draft_busy.acquire(blocking=False)
         request = Request(prompt_ids, max_new_tokens, params, stop_ids, speculate, route_timeout, on_token, on_rewind,
                           on_settled)
         try:
@@ -432,11 +440,11 @@ class SwarmClient:
             generate(lambda t, s: pipe.forward(session, t, s, micro_batches=m), context, left, request.params,
                      request.stop_ids, progress.emit, progress.noise)
             return
-        assert self.draft is not None, "`generate` speculates only when a draft is set"
+        assert self.drafting is not None, "`generate` speculates only when a draft is set"
         target = SessionSteps(pipe, session) if in_flight > 1 else \
             lambda t, s, mask, keep: pipe.forward(session, t, s, mask, m, keep)
-        speculative_generate(target, self.draft, context, left, request.params, self.tuner, request.stop_ids,
-                             progress.emit, progress.noise, progress.report, max_length, in_flight,
+        speculative_generate(target, self.drafting.draft, context, left, request.params, self.drafting.tuner,
+                             request.stop_ids, progress.emit, progress.noise, progress.report, max_length, in_flight,
                              lambda ids: pipe.forward(session, ids, 0, micro_batches=m))
 
     def _fail_over(self, progress: Progress, e: StageFailed) -> None:

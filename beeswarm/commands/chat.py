@@ -58,7 +58,7 @@ NO_SPEC: dict[str, Any] = {"rounds": None, "accepted_per_round": None, "acceptan
 
 def run_chat(client, entry, args, params) -> int:
     """Generate once through the swarm and print the stream or the JSON summary."""
-    from beeswarm.client.remote import StageFailed
+    from beeswarm.client.dataplane import StageFailed
     from beeswarm.client.swarm import NoRoute
     from beeswarm.client.textstream import TextStream, stop_ids
 
@@ -104,7 +104,7 @@ def chat_app(client, entry, args, params, side_panel: bool = False) -> int:
     session = ChatSession(client, AutoTokenizer.from_pretrained(str(entry.folder)), params, args.max_new_tokens)
     app = ChatApp(session, swarm_rows=session.swarm_rows if side_panel else None,
                   ring_ms=lambda: session.ring_ms(app.last_reply.route if app.last_reply else ()))
-    client.node.on_failure.append(lambda error: app.call_from_thread(app.exit))  # the node stopped: so does the app
+    client.node.when_failed(lambda error: app.call_from_thread(app.exit))  # the node stopped: so does the app
     app.run()
     client.node.raise_if_failed()
     return 0

@@ -31,7 +31,7 @@ def run(args) -> int:
     """Join (or start) a swarm and serve the layers the coordinator assigns."""
     import signal
 
-    from beeswarm.contributor.process import Contributor, ContributorOptions
+    from beeswarm.contributor.contributor import Contributor, ContributorOptions
     from beeswarm.p2p import identity
     from beeswarm.p2p.descriptor import DescriptorError, resolve_join
 

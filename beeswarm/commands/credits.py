@@ -24,7 +24,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from beeswarm import secrets
     from beeswarm.client.status import SwarmObserver, Unreachable
-    from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE, rank
+    from beeswarm.credits.ledger import FREE_ALLOWANCE, rank
     from beeswarm.p2p import identity
     from beeswarm.p2p.errors import NodeError
     from beeswarm.protocol.credits import Balance

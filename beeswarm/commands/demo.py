@@ -34,7 +34,7 @@ def run(args) -> int:
     """A real local swarm of 3 contributor processes plus this process as the entry; stopped after."""
     import torch
 
-    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError, threads_per_process
+    from beeswarm.contributor.local_swarm import ChildFlags, LocalSwarm, LocalSwarmError, threads_per_process
 
     params, entry = chat_common(args)
     if args.serve:
@@ -45,7 +45,7 @@ def run(args) -> int:
         raise UserError("give --prompt TEXT or --serve (the chat app needs a terminal)")
     draft, tuner = speculation(args, entry)  # a bad flag fails before any process starts
     stages = min(3, entry.config.num_hidden_layers)
-    swarm = LocalSwarm(stages, args.model, heartbeat=1.0, device=args.device, quant=args.quant)
+    swarm = LocalSwarm(stages, args.model, flags=ChildFlags(device=args.device, quant=args.quant))
     torch.set_num_threads(threads_per_process(stages + 1))  # the entry shares the cores with the stages
     client = None
     try:

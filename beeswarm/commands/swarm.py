@@ -29,10 +29,10 @@ def run(args) -> int:
     import signal
     import threading
 
-    from beeswarm.contributor.local import LocalSwarm, LocalSwarmError
+    from beeswarm.contributor.local_swarm import ChildFlags, LocalSwarm, LocalSwarmError
 
-    swarm = LocalSwarm(args.local, args.model, args.base_port, heartbeat=args.heartbeat, device=args.device,
-                       quant=args.quant)
+    swarm = LocalSwarm(args.local, args.model, args.base_port,
+                       ChildFlags(heartbeat=args.heartbeat, device=args.device, quant=args.quant))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from beeswarm.coordinator.credit_ledger import FREE_ALLOWANCE
+from beeswarm.credits.ledger import FREE_ALLOWANCE
 
 WAIT_MEMORY_S = 4.0  # longer than an entry's longest backoff between two asks (client.attempts.BUSY_BACKOFF_S)
 MAX_WAITING = 1024  # payers remembered (the lowest tiers are forgotten first)

@@ -30,16 +30,16 @@ from beeswarm import codec
 from beeswarm.audit import commitments
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.retention import LoggedStep, StepLog
-from beeswarm.contributor import admission
 from beeswarm.contributor.chain import CommitmentChain, PreviousLied
 from beeswarm.contributor.links import LinkCodecs
+from beeswarm.contributor.sessions import Session, Sessions
 from beeswarm.contributor.step_queue import QueuedStep, StepQueue
 from beeswarm.p2p.channel import Channel, ChannelPool, Outbox
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
 from beeswarm.p2p.signatures import verify_bytes
 from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, Span, encode, ids
-from beeswarm.protocol.audit import Reveal
+from beeswarm.protocol.rpcs import AUDIT, SESSION
 from beeswarm.protocol.session import Close, Closed, Open, Opened, open_body
 from beeswarm.protocol.step import CacheState, Commit, Result, Step, StepError
 from beeswarm.shard import tensors
@@ -48,26 +48,7 @@ from beeswarm.shard.span import SpanRuntime, StepInput
 
 log = logging.getLogger(__name__)
 
-MAX_SESSIONS_PER_PEER = 64
 REVEAL_THREADS = 2  # reveals encoded at once (a long session's reveal is megabytes: off the shared pool)
-_session_requests: Decoder[Open | Close] = Decoder(Open, Close)
-_reveal_requests: Decoder[Reveal] = Decoder(Reveal)
-
-
-@dataclass
-class _Session:
-    key: str  # "<entry peer>/<session id>": the runtime's session id
-    runtime: SpanRuntime  # the span the session was opened on (a node may hold two while migrating)
-    entry: str
-    session: str
-    prev: str  # the only peer whose steps are accepted
-    next: str | None  # None: return results to the entry
-    last_used: float
-    compress: bool = True  # False: raw frames (the entry asked for no compression, for comparisons)
-    kv_bytes: int = 0  # the KV cache allocated for it
-    payer: str = ""  # whose credit it spends (the entry's own, or the payer that signed for it)
-    served: int = 0  # layer-tokens computed for it (logged at its end: the stage's own tally of its receipts)
-    keeps: int = 0  # keeps applied to its cache (`CacheState.keeps`)
 
 
 class _StaleCache(ProtocolError):
@@ -87,40 +68,36 @@ class Traffic:
 
 
 class StageServer:
-    def __init__(self, node: Node, runtime: SpanRuntime, idle_timeout_s: float = 600.0,
-                 links: LinkCodecs | None = None, kv_budget_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, step_log: StepLog | None = None,
-                 fault: Fault | None = None, coordinator: Callable[[], str | None] = lambda: None,
-                 credit: Callable[[str], int | None] = lambda payer: None):
-        """`kv_budget_bytes`: memory for KV caches across sessions (None: whatever allocation allows);
-        `links`: the link codecs (`links.LinkCodecs`, with the measured rates of the links when given);
-        `clock`: monotonic seconds, for idle expiry; `step_log`: what is kept for audits' reveals;
-        `fault`: misbehave on purpose (tests only, see `audit.faults`); `coordinator()`: the peer that may
-        ask for reveals of other entries' sessions (judging a refusal); `credit(payer)`: its balance in the
-        swarm's ledger (None: no account), for whom a full stage admits first."""
-        self.node, self.idle_timeout_s, self.kv_budget_bytes = node, idle_timeout_s, kv_budget_bytes
-        self.clock = clock
+    def __init__(self, node: Node, runtime: SpanRuntime, sessions: Sessions | None = None,
+                 links: LinkCodecs | None = None, step_log: StepLog | None = None, fault: Fault | None = None,
+                 coordinator: Callable[[], str | None] = lambda: None):
+        """`sessions`: who may open one, within what budget (`sessions.Sessions`); `links`: the link codecs
+        (`links.LinkCodecs`, with the measured rates of the links when given); `step_log`: what is kept for
+        audits' reveals; `fault`: misbehave on purpose (tests only, see `audit.faults`); `coordinator()`: the
+        peer that may ask for reveals of other entries' sessions (judging a refusal)."""
+        self.node = node
+        self.sessions = sessions if sessions is not None else Sessions()  # (an empty one is falsy)
         self.link = links or LinkCodecs()  # the codec of each link (`link(peer)`), and the bytes they moved
-        self.sessions: dict[str, _Session] = {}
-        self._opening: dict[str, int] = {}  # sessions being allocated -> the KV bytes reserved for them
         self.tokens = 0  # positions computed, written by the compute thread only
         self.queue = StepQueue()  # steps arrived and not run, and what a pass takes
         self._out = Outbox(ChannelPool(node.open_channel))  # the compute thread never waits on a peer
         self._steps = Decoder(Step, limit=node.config.max_tensor_bytes)
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
+        self._thawed = threading.Event()  # cleared: paused
+        self._thawed.set()
         self.runtimes: dict[Span, SpanRuntime] = {}
-        self.fault, self.credit = fault, credit
+        self.fault = fault
+        clock = self.sessions.clock
         self.chain = CommitmentChain(node.identity.key_pair, node.peer_id, step_log or StepLog(clock=clock),
                                      self._served, coordinator, clock)
         self.step_log = self.chain.step_log
-        self.waiting = admission.Waiting(clock)
         self._draining: set[Span] = set()  # spans the plan dropped, kept until their sessions end
         self.add(runtime)
 
     def start(self) -> StageServer:
-        self.node.serve(ids.SESSION, self._on_session, _session_requests)
-        self.node.serve(ids.AUDIT, self.chain.on_reveal, _reveal_requests, threads=REVEAL_THREADS)
+        self.node.serve(SESSION, self._on_session)
+        self.node.serve(AUDIT, self.chain.on_reveal, threads=REVEAL_THREADS)
         self.node.serve_channel(ids.STEP, self._on_step_channel)
         self._worker = threading.Thread(target=self._compute_loop, name="stage-compute", daemon=True)
         self._worker.start()
@@ -128,9 +105,18 @@ class StageServer:
 
     def stop(self) -> None:
         self.queue.stop()
+        self._thawed.set()
         if self._worker is not None:
             self._worker.join(10)
         self._out.close()
+
+    def pause(self) -> None:
+        """Compute nothing until `resume()`; steps queue up and the node stays connected and answers (what a stage
+        frozen by SIGSTOP or a swapping host looks like to its peers, who know it only by its silence)."""
+        self._thawed.clear()
+
+    def resume(self) -> None:
+        self._thawed.set()
 
     def add(self, runtime: SpanRuntime) -> None:
         """Serve another span (the new one of a migration) beside the current ones."""
@@ -152,12 +138,13 @@ class StageServer:
     def _free_unused(self) -> None:
         """(Under the lock.) Free what no session uses any more: the draining spans, and the codecs of links
         to peers gone from every session (their byte counts are kept in the totals)."""
-        used = {s.runtime.span for s in self.sessions.values()}
+        sessions = self.sessions.all()
+        used = {s.runtime.span for s in sessions}
         for span in [s for s in self._draining if s not in used]:
             del self.runtimes[span]
             self._draining.discard(span)
             log.info("layers %s freed: the plan moved on and their last session ended", span)
-        self.link.keep({peer for s in self.sessions.values() for peer in (s.entry, s.prev, s.next) if peer})
+        self.link.keep({peer for s in sessions for peer in (s.entry, s.prev, s.next) if peer})
 
     def _served(self, span: Span) -> SpanRuntime:
         """The runtime serving `span` (a replay for an audit runs on it), ShardError when none does any more."""
@@ -201,61 +188,23 @@ class StageServer:
     # sessions ---------------------------------------------------------------------------------
     def _on_session(self, peer: str, msg: Open | Close) -> Message:
         self._expire_idle()
-        key = f"{peer}/{msg.session}"
         if isinstance(msg, Close):
-            with self._lock:
-                session = self.sessions.pop(key, None)
-                self._free_unused()
+            session = self.sessions.close(f"{peer}/{msg.session}")
             if session is None:
                 return ErrorReply(error=f"unknown session {msg.session!r}")
-            self.queue.forget(key)
-            session.runtime.close(key)
-            self.step_log.end(key)
+            self._end(session)
             log.info("session %s of %s closed: served %d layer-tokens paid by %s", msg.session, peer, session.served,
                      session.payer)
             return Closed()
-        # The budget is checked and the session's room reserved under one lock (concurrent opens must not both
-        # pass it); the cache is allocated outside it (a plan change in the node's loop takes this lock).
         with self._lock:
             runtime = self.runtimes.get(msg.span) if msg.span not in self._draining else None
-            if sum(s.entry == peer for s in self.sessions.values()) >= MAX_SESSIONS_PER_PEER:
-                return ErrorReply(error=f"too many sessions from one peer (max {MAX_SESSIONS_PER_PEER})", busy=True)
-            if runtime is None:
-                served = sorted(set(self.runtimes) - self._draining)
-                # the entry's plan is ahead of or behind this stage's: not a fault, try again on the next plan
-                return ErrorReply(error=f"this stage serves {', '.join(map(str, served))}, not layers {msg.span}",
-                                  busy=True)
-            need = runtime.kv_bytes(msg.max_length)
-            payer = self._payer(peer, msg)
-            rank = admission.tier(self.credit(payer))
-            if key in self.sessions or key in self._opening:
-                return ErrorReply(error=f"session {msg.session!r} is already open")
-            if self.kv_budget_bytes is not None:
-                used = sum(s.kv_bytes for s in self.sessions.values()) + sum(self._opening.values())
-                if used + need > self.kv_budget_bytes:
-                    if need <= self.kv_budget_bytes:  # one that can never fit waits for nothing
-                        self.waiting.refused(payer, rank)
-                    free = max(0, self.kv_budget_bytes - used)
-                    room = free // runtime.kv_bytes(1) if self.waiting.ahead(payer, rank) == 0 else 0
-                    return ErrorReply(error=f"no memory for a session of {msg.max_length} tokens: it needs {need} "
-                                            f"bytes of KV cache, {free} are free", busy=True, room=room)
-            if ahead := self.waiting.ahead(payer, rank):
-                self.waiting.refused(payer, rank)  # it keeps its place in the queue
-                return ErrorReply(error=f"room is kept for {ahead} entr{'ies' if ahead > 1 else 'y'} that asked "
-                                        "first or hold more credit", busy=True)
-            self._opening[key] = need
-        try:
-            runtime.open(key, msg.max_length)
-        except SessionError as e:
-            return ErrorReply(error=str(e))
-        finally:
-            with self._lock:
-                del self._opening[key]
-        with self._lock:
-            self.waiting.admitted(payer)
-            self.sessions[key] = _Session(key, runtime, peer, msg.session, msg.prev, msg.next, self.clock(),
-                                          msg.compress, need, payer)
-        return Opened(span=msg.span)
+            served = sorted(set(self.runtimes) - self._draining)
+        if runtime is None:
+            # the entry's plan is ahead of or behind this stage's: not a fault, try again on the next plan
+            return ErrorReply(error=f"this stage serves {', '.join(map(str, served))}, not layers {msg.span}",
+                              busy=True)
+        opened = self.sessions.open(peer, msg, self._payer(peer, msg), runtime)
+        return opened if isinstance(opened, ErrorReply) else Opened(span=msg.span)
 
     def _payer(self, peer: str, msg: Open) -> str:
         """Whose credit `peer`'s session spends: the payer that signed for it, else the entry itself."""
@@ -266,17 +215,17 @@ class StageServer:
         return msg.payer
 
     def _expire_idle(self) -> None:
-        cutoff = self.clock() - self.idle_timeout_s
+        for session in self.sessions.expire_idle():
+            log.info("session %s idle for %.0f s: closed", session.key, self.sessions.idle_timeout_s)
+            self._end(session)
+
+    def _end(self, session: Session) -> None:
+        """Free what a session that was just closed or expired held."""
         with self._lock:
-            stale = [s for s in self.sessions.values() if s.last_used < cutoff]
-            for s in stale:
-                del self.sessions[s.key]
             self._free_unused()
-        for s in stale:
-            self.queue.forget(s.key)
-            log.info("session %s idle for %.0f s: closed", s.key, self.idle_timeout_s)
-            s.runtime.close(s.key)
-            self.step_log.end(s.key)
+        self.queue.forget(session.key)
+        session.runtime.close(session.key)
+        self.step_log.end(session.key)
 
     # steps ------------------------------------------------------------------------------------
     def _on_step_channel(self, channel: Channel) -> None:
@@ -291,15 +240,16 @@ class StageServer:
 
     def _compute_loop(self) -> None:
         codec.warm_up()  # calibrate the codec before the first step rather than during it
-        while (taken := self.queue.next_pass(idle_s=min(60.0, self.idle_timeout_s / 4))) is not None:
+        while (taken := self.queue.next_pass(idle_s=min(60.0, self.sessions.idle_timeout_s / 4))) is not None:
             if not taken.compute and not taken.hold:
                 self._expire_idle()
+            self._thawed.wait()
             for item in taken.hold:
                 self._hold(item)
             self._run_batch(taken.compute)
 
     def _run_batch(self, batch: list[QueuedStep]) -> None:
-        ready: dict[SpanRuntime, list[tuple[QueuedStep, _Session, StepInput]]] = {}
+        ready: dict[SpanRuntime, list[tuple[QueuedStep, Session, StepInput]]] = {}
         for item in batch:
             try:
                 prepared = self._prepare(item)
@@ -337,7 +287,7 @@ class StageServer:
             self._fail(item, str(e))
             return None
 
-    def _prepare(self, item: QueuedStep) -> tuple[QueuedStep, _Session, StepInput]:
+    def _prepare(self, item: QueuedStep) -> tuple[QueuedStep, Session, StepInput]:
         msg = item.msg
         session = self._session_of(item)
         hidden = tensors.decode(msg.frame, self.link(item.sender), self.node.config.max_tensor_bytes)
@@ -347,16 +297,16 @@ class StageServer:
         item.context, item.input = commitments.context(msg.start, msg.mask, msg.keep), commitments.digest(hidden)
         self.chain.check_previous(session.entry, session.session, session.prev, msg, item.context, item.input)
         self._apply_keep(item, session)
-        session.last_used = self.clock()
+        session.last_used = self.sessions.clock()
         return item, session, StepInput(session.key, hidden, msg.start, mask)
 
-    def _session_of(self, item: QueuedStep) -> _Session:
+    def _session_of(self, item: QueuedStep) -> Session:
         session = self.sessions.get(item.key)
         if session is None or session.prev != item.sender:
             raise SessionError(f"unknown session {item.msg.session!r} (or not from its previous hop)")
         return session
 
-    def _apply_keep(self, item: QueuedStep, session: _Session) -> None:
+    def _apply_keep(self, item: QueuedStep, session: Session) -> None:
         """The step's keep (the last speculative round's accepted path), once the session's cache is in the state
         the entry assumed for it: anything else would run the step on a cache the entry never meant."""
         msg = item.msg
@@ -390,12 +340,12 @@ class StageServer:
                                                                                  held=positions)),
                            lambda e: self._fail(item, f"cannot reach the next stage: {e}", culprit=session.next))
 
-    def _commit(self, item: QueuedStep, session: _Session, step: StepInput, out: torch.Tensor) -> Commit:
+    def _commit(self, item: QueuedStep, session: Session, step: StepInput, out: torch.Tensor) -> Commit:
         session.served += len(session.runtime.span) * step.hidden.shape[-2]
         return self.chain.commit(session.entry, session.session, session.key, session.runtime.span, item.msg,
                                  item.context, item.input, step.hidden.detach().to("cpu"), out)
 
-    def _forward(self, item: QueuedStep, session: _Session, out: torch.Tensor, commit: Commit) -> None:
+    def _forward(self, item: QueuedStep, session: Session, out: torch.Tensor, commit: Commit) -> None:
         layout = "auto" if session.compress else "raw"
         target = session.entry if session.next is None else session.next
         frame = tensors.encode(out, self.link(target), layout)

@@ -26,22 +26,22 @@ from collections.abc import Callable
 
 import trio
 
-from beeswarm.coordinator import plans, receipts
+from beeswarm.coordinator import plans
 from beeswarm.coordinator.election import Election, Lease
+from beeswarm.credits import receipts
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol import Decoder, ProtocolError, RemoteError, ids
 from beeswarm.protocol.coordinator import LeaseBeat, PlanRequest, PlanState, SignedPlan
 from beeswarm.protocol.credits import LEDGER_LIMIT, LedgerState, SignedLedger
 from beeswarm.protocol.membership import NodeInfo, View
+from beeswarm.protocol.rpcs import PLAN
 
 log = logging.getLogger(__name__)
 
 _messages: Decoder[LeaseBeat | SignedPlan | SignedLedger] = Decoder(LeaseBeat, SignedPlan, SignedLedger,
                                                                    limit=LEDGER_LIMIT)
-_plan_replies = reply_decoder(SignedPlan)
 
 
 class PlanFollower:
@@ -200,8 +200,7 @@ class PlanFollower:
 
     async def _pull_plan(self, coordinator: str) -> None:
         try:
-            signed = await self.node.requests.request(coordinator, ids.PLAN, encode(PlanRequest()), _plan_replies,
-                                                      timeout=2 * self.interval)
+            signed = await self.node.requests.request(coordinator, PLAN, PlanRequest(), timeout=2 * self.interval)
         except (TimeoutError, PeerUnavailable, NodeError, RemoteError) as e:
             log.info("could not fetch the current plan from %s: %s", coordinator, e)
             return

@@ -170,6 +170,13 @@ class Noise:
         return int(self.scores(probs, position).argmax())
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one generation samples: its parameters and its noise (None: greedy)."""
+    params: SamplingParams
+    noise: Noise | None
+
+
 def new_noise(params: SamplingParams) -> Noise | None:
     """The noise a generation samples with: keyed by `params.seed` when given, by a fresh seed otherwise; None
     when greedy (nothing random)."""

@@ -25,13 +25,9 @@ from dataclasses import dataclass
 import trio
 
 from beeswarm.p2p.addresses import is_public
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder
 from beeswarm.protocol.reach import MAX_PORTS, DialBack, DialedBack, Reach
 
 log = logging.getLogger(__name__)
-REQUESTS: Decoder[DialBack] = Decoder(DialBack)
-REPLIES = reply_decoder(DialedBack)
 
 ASK = 3  # peers asked each round
 PROBE_TIMEOUT_S = 3.0

@@ -46,9 +46,9 @@ from beeswarm.p2p import addresses
 from beeswarm.p2p.addressbook import AddressBook
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, ids
 from beeswarm.protocol.membership import Beat, Heartbeat, Leave, NodeInfo, View
+from beeswarm.protocol.rpcs import MEMBERS
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,49 @@ LEAVE_S = 2.0  # the most a leave announcement may take
 NEIGHBOURS = 4  # links kept besides the coordinator and the plan's stages (gossip needs a few)
 RESEND_INFO_BEATS = 10  # a beat to the coordinator carries the full info at least this often
 _messages: Decoder[Heartbeat | Leave] = Decoder(Heartbeat, Leave)
-_beats: Decoder[Beat] = Decoder(Beat, limit=256 * 1024)
-_views = reply_decoder(View, limit=64 * 1024 * 1024)
 
 
 @dataclass(frozen=True)
 class Member:
     info: NodeInfo
     last_seen: float  # time.monotonic()
+
+
+@dataclass
+class MemberCounts:
+    """Messages this node's membership handled since it started (what the mesh benchmark rates)."""
+    beats_sent: int = 0  # gossip heartbeats published
+    beats_received: int = 0  # heartbeats and beats taken
+    views_received: int = 0  # coordinator (or bootstrap) answers to this node's beats
+
+
+@dataclass
+class _CoordinatorBeats:
+    """What this node and the member it beats to (the coordinator, or a bootstrap) know of each other."""
+    held: tuple[str, int] | None = None  # (member, seq) of the last view taken from it
+    acked: tuple[str, NodeInfo] | None = None  # (member, the info it last took from this node)
+    sent: int = 0  # beats sent
+
+
+class DialBackoff:
+    """Dials in flight to members (a few at once), and when an unreachable member may be dialled again: its wait
+    doubles with each failed dial, up to DIAL_BACKOFF_S[1], and is forgotten once it connects."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.dialing: set[str] = set()
+        self._after: dict[str, tuple[float, float]] = {}  # member -> (next try, backoff)
+
+    def may_dial(self, peer: str, now: float) -> bool:
+        return peer not in self.dialing and now >= self._after.get(peer, (0.0, 0.0))[0]
+
+    def failed(self, peer: str) -> None:
+        _, backoff = self._after.get(peer, (0.0, DIAL_BACKOFF_S[0] / 2))
+        backoff = min(DIAL_BACKOFF_S[1], backoff * 2)
+        self._after[peer] = (self.clock() + backoff, backoff)
+
+    def forget(self, peer: str) -> None:
+        self._after.pop(peer, None)
 
 
 def _material(info: NodeInfo) -> NodeInfo:
@@ -90,22 +125,18 @@ class Membership:
         self._members: dict[str, Member] = {}
         self._lock = threading.Lock()
         self.listeners: list[Listener] = []
-        self.beats_sent = self.beats_received = 0
+        self.counts = MemberCounts()
         self._published: NodeInfo | None = None
         self._lost: dict[str, float] = {}  # member -> when its connection dropped
-        self._dialing: set[str] = set()
         self.book = AddressBook()  # members heard lately, dialled again once out of view
-        self._dial_after: dict[str, tuple[float, float]] = {}  # member -> (next try, backoff)
+        self._dials = DialBackoff(clock)
         self._lease: Callable[[], tuple[str, int] | None] = lambda: None  # (coordinator followed, term): `follow`
         self._wanted: Callable[[], Iterable[str]] = lambda: ()  # members to stay connected to: `follow`
         self.on_view: list[Callable[[str, View], None]] = []  # (the member that answered a beat, its answer)
         self._hint: str | None = None  # the coordinator a member's answer named, until the election names one
-        self.views_received = 0
         self._seq = 0  # bumped by every change of a member's info (numbers the views this node serves)
         self._changed_at: dict[str, int] = {}  # member -> the seq of its last change (this node's own: "")
-        self._held: tuple[str, int] | None = None  # (coordinator, seq) of the last view taken from it
-        self._acked: tuple[str, NodeInfo] | None = None  # (member, the info it last took from this node)
-        self._beats_to = 0
+        self._beats = _CoordinatorBeats()
         self._refresh = False  # beat (and take the coordinator's view) at the next turn, not the next period
 
     @property
@@ -122,12 +153,11 @@ class Membership:
 
     def start(self) -> None:
         """Subscribe and start beating; call before or after `node.start()`."""
-        self.node.on_peer_connected.append(self._on_connected)
-        self.node.on_peer_disconnected.append(self._on_disconnected)
-        self.node.keep_known.append(self.view)  # members stay dialable while not connected
-        self.node.relay_candidates.append(self._relays)
+        self.node.watch_peers(self._on_connected, self._on_disconnected)
+        self.node.keep_dialable(self.view)  # members stay dialable while not connected
+        self.node.take_relays_from(self._relays)
         self.node.subscribe(self.node.topic(ids.MEMBERS_TOPIC), _messages, self._on_message)
-        self.node.serve(ids.MEMBERS, self._on_beat, _beats)
+        self.node.serve(MEMBERS, self._on_beat)
         self.node.add_task(self._beat)
 
     def follow(self, lease: Callable[[], tuple[str, int] | None], wanted: Callable[[], Iterable[str]]) -> None:
@@ -166,7 +196,7 @@ class Membership:
     def _on_connected(self, peer: str) -> None:
         with self._lock:
             self._lost.pop(peer, None)
-            self._dial_after.pop(peer, None)
+            self._dials.forget(peer)
 
     def _on_disconnected(self, peer: str) -> None:
         with self._lock:
@@ -201,7 +231,7 @@ class Membership:
             return
         if msg.info.peer != author:
             raise ProtocolError(f"info claims to be {msg.info.peer} but was published by {author}")
-        self.beats_received += 1
+        self.counts.beats_received += 1
         self._heard(msg.info, self.clock())
 
     def _heard(self, info: NodeInfo, seen: float) -> None:
@@ -232,7 +262,7 @@ class Membership:
         if beat.info is not None:
             if beat.info.peer != peer:
                 raise ProtocolError(f"info claims to be {beat.info.peer} but was sent by {peer}")
-            self.beats_received += 1
+            self.counts.beats_received += 1
             self._heard(beat.info, now)
         else:
             with self._lock:
@@ -262,23 +292,24 @@ class Membership:
 
     async def _beat_to(self, peer: str) -> bool:
         """Beat to `peer` and take its view; True if it is the coordinator (else gossip beats on)."""
-        held = self._held[1] if self._held and self._held[0] == peer else 0
-        self._beats_to += 1
+        beats = self._beats
+        held = beats.held[1] if beats.held and beats.held[0] == peer else 0
+        beats.sent += 1
         info = self._info
-        fresh = self._acked != (peer, info) or self._beats_to % RESEND_INFO_BEATS == 0
+        fresh = beats.acked != (peer, info) or beats.sent % RESEND_INFO_BEATS == 0
         send = info if fresh else None
         try:
-            view: View = await self.node.requests.request(peer, ids.MEMBERS, encode(Beat(info=send, since=held)),
-                                                          _views, timeout=MISSED_BEATS * self.interval)
+            view = await self.node.requests.request(peer, MEMBERS, Beat(info=send, since=held),
+                                                    timeout=MISSED_BEATS * self.interval)
         except RemoteError:  # it lost this node's info: send it all
-            self._acked = None
+            beats.acked = None
             return False
         except (TimeoutError, PeerUnavailable, NodeError) as e:
             log.debug("beat to %s failed: %s", peer, e)
             return False
         if send is not None:
-            self._acked = (peer, send)
-        self.views_received += 1
+            beats.acked = (peer, send)
+        self.counts.views_received += 1
         self._take_view(peer, view)
         return view.coordinator == peer
 
@@ -302,7 +333,7 @@ class Membership:
                 for info in gone:
                     self._drop(info.peer)
                 complete = all(p in self._members or p == self.node.peer_id for p in ages)
-            self._held = (peer, view.seq if complete else 0)  # a member whose info is missing: ask for all
+            self._beats.held = (peer, view.seq if complete else 0)  # a member whose info is missing: ask for all
         elif view.coordinator != self.node.peer_id:
             self._hint = view.coordinator
         for info in gone:
@@ -328,17 +359,16 @@ class Membership:
         others = [p for p in view if p not in connected and p not in wanted]
         spare = NEIGHBOURS - len(connected - {*wanted})
         for peer in wanted + random.sample(others, max(0, min(spare, len(others)))):
-            if len(self._dialing) >= MAX_DIALS:
+            if len(self._dials.dialing) >= MAX_DIALS:
                 return
-            after, _ = self._dial_after.get(peer, (0.0, 0.0))
-            if peer not in connected and peer not in self._dialing and now >= after:
-                self._dialing.add(peer)
+            if peer not in connected and self._dials.may_dial(peer, now):
+                self._dials.dialing.add(peer)
                 self.node.spawn(self._dial, view[peer])
         with self._lock:
-            lost = self.book.due(now, {*self._members, *connected, *self._dialing, self.node.peer_id},
+            lost = self.book.due(now, {*self._members, *connected, *self._dials.dialing, self.node.peer_id},
                                  alone=not self._members)
         if lost is not None:
-            self._dialing.add(lost[0])
+            self._dials.dialing.add(lost[0])
             self.node.spawn(self._redial, *lost)
 
     async def _redial(self, peer: str, addrs: tuple[str, ...]) -> None:
@@ -350,7 +380,7 @@ class Membership:
             with self._lock:
                 self.book.failed(peer)
         finally:
-            self._dialing.discard(peer)
+            self._dials.dialing.discard(peer)
 
     def _relays(self) -> list[str]:
         """Direct addresses of public members that relay (where a private node takes its relay slots)."""
@@ -362,11 +392,9 @@ class Membership:
             if await self._connect_any(info.peer, _dialable(info)):
                 return
             with self._lock:  # unreachable: try again later, less often each time
-                _, backoff = self._dial_after.get(info.peer, (0.0, DIAL_BACKOFF_S[0] / 2))
-                backoff = min(DIAL_BACKOFF_S[1], backoff * 2)
-                self._dial_after[info.peer] = (self.clock() + backoff, backoff)
+                self._dials.failed(info.peer)
         finally:
-            self._dialing.discard(info.peer)
+            self._dials.dialing.discard(info.peer)
 
     async def _connect_any(self, peer: str, addrs: tuple[str, ...]) -> bool:
         """Dial `peer` at each of `addrs` in turn until one connects; False when none does."""
@@ -398,7 +426,7 @@ class Membership:
         """Forget a member and everything kept about it (hold the lock)."""
         self._changed_at.pop(peer, None)
         self._lost.pop(peer, None)
-        self._dial_after.pop(peer, None)
+        self._dials.forget(peer)
         return self._members.pop(peer, None)
 
     def _resumed(self, now: float, paused_s: float) -> None:
@@ -411,7 +439,7 @@ class Membership:
     async def _gossip_beat(self) -> None:
         try:
             await self.node.publish_async(self.node.topic(ids.MEMBERS_TOPIC), Heartbeat(info=self._info))
-            self.beats_sent += 1
+            self.counts.beats_sent += 1
         except Exception as e:  # noqa: BLE001 - no peers yet, and the like
             log.debug("heartbeat not sent: %s", e)
 
@@ -427,9 +455,9 @@ class Membership:
                 self.update(addrs=tuple(self.node.addrs), beat_s=period, reach=self.node.reachability.reach,
                             relay=self.node.config.relay_service)
             changed = self._published is None or _material(self._published) != _material(self._info)
-            linking = not to_leader and leader in self._dialing  # beat to it once linked: gossip costs all a copy
+            linking = not to_leader and leader in self._dials.dialing  # beat to it once linked: gossip costs all a copy
             if (due or changed and now - last_sent >= self.interval / 4) and not linking:
-                greet = None if to_leader or self.views_received else self._bootstrap_peer()
+                greet = None if to_leader or self.counts.views_received else self._bootstrap_peer()
                 target = leader if to_leader else greet
                 self._refresh = False
                 if target is not None and await self._beat_to(target):

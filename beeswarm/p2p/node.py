@@ -25,7 +25,19 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
-from beeswarm.p2p import addresses, auth, channel, dialback, hardening, logs, peers, reach, topics, transport, tuning
+from beeswarm import logs
+from beeswarm.p2p import (
+    addresses,
+    auth,
+    channel,
+    dialback,
+    libp2p_hardening,
+    libp2p_tuning,
+    peers,
+    reach,
+    topics,
+    transport,
+)
 from beeswarm.p2p.bans import BanList
 from beeswarm.p2p.channel import Channel, within
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
@@ -36,6 +48,7 @@ from beeswarm.p2p.reach import NOT_DIALABLE
 from beeswarm.p2p.requests import Handler, Requests
 from beeswarm.protocol import CONTROL_LIMIT, TENSOR_LIMIT, Decoder, Message, encode, ids
 from beeswarm.protocol.reach import DialBack, DialedBack
+from beeswarm.protocol.rpcs import DIALBACK, Rep, Req, Rpc
 
 log = logging.getLogger(__name__)
 logs.adopt_libp2p()  # importing py-libp2p reset its logger: route it through ours again (after `logs.setup`)
@@ -65,7 +78,7 @@ class Node:
         self.bans = bans or BanList()
         self.peer_id = identity.peer_id
         self.gate = auth.Gate(self, self.config.secret)
-        self.requests = Requests(self)
+        self.requests = Requests(self, self.config.max_tensor_bytes)
         self._handlers: dict[str, Callable[[Any], Any]] = {}
         self._subscriptions: list[tuple[str, Decoder[Any], Callable[[str, Any], None]]] = []
         self._tasks: list[Callable[[], Any]] = []
@@ -75,15 +88,14 @@ class Node:
         self._relay: CircuitV2Transport | None = None
         self.relays: reach.Relays | None = None  # (made with the host)
         # Addresses of members that relay and can be dialled: where this node takes slots once it learns it is private.
-        self.relay_candidates: list[Callable[[], Iterable[str]]] = []
+        self._relay_sources: list[Callable[[], Iterable[str]]] = []
         self._bootstraps: reach.Bootstraps | None = None  # (made with the host)
-        self.on_peer_connected: list[Callable[[str], None]] = []
-        self.on_peer_disconnected: list[Callable[[str], None]] = []
+        self._peer_watchers: list[tuple[Callable[[str], None] | None, Callable[[str], None] | None]] = []
         # Peers the peerstore keeps while not connected (membership's members); every other gone peer is forgotten.
-        self.keep_known: list[Callable[[], Iterable[str]]] = []
+        self._keep_known: list[Callable[[], Iterable[str]]] = []
         # Whether other hosts can dial this node: peers dial it back (dialback.py), and it dials them back.
         self.reachability = dialback.Reachability()
-        self.serve(ids.DIALBACK, dialback.DialBackServer(self._direct_ip).answer, dialback.REQUESTS)
+        self.serve(DIALBACK, dialback.DialBackServer(self._direct_ip).answer)
         self.add_task(functools.partial(dialback.keep_learning, self.reachability,
                                         lambda: peers.direct_peers(self._host), self._listen_ports, self._ask_dialback))
 
@@ -96,15 +108,33 @@ class Node:
         """Why the node's loop ended on its own after it had started (nothing else stops a node but `stop()`)."""
         return self.loop.failure
 
-    @property
-    def on_failure(self) -> list[Callable[[BaseException], None]]:
-        """Called once, in the node's thread, with `failure`: a process should exit non-zero."""
-        return self.loop.on_failure
+    # what the services on the node hear of it --------------------------------------------------
+    def when_failed(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(failure)` once, in the node's thread, if its loop ends on its own: a process should exit
+        non-zero."""
+        self.loop.on_failure.append(callback)
+
+    def watch_peers(self, connected: Callable[[str], None] | None = None,
+                    disconnected: Callable[[str], None] | None = None) -> Callable[[], None]:
+        """Call `connected(peer)` and `disconnected(peer)` in the node's loop (keep them quick) as peers' links come
+        and go; the call returned stops it."""
+        watcher = (connected, disconnected)
+        self._peer_watchers.append(watcher)
+        return lambda: self._peer_watchers.remove(watcher) if watcher in self._peer_watchers else None
+
+    def keep_dialable(self, peers: Callable[[], Iterable[str]]) -> None:
+        """The peerstore keeps the addresses of `peers()` while they are not connected (every other gone peer's
+        are forgotten)."""
+        self._keep_known.append(peers)
+
+    def take_relays_from(self, addresses: Callable[[], Iterable[str]]) -> None:
+        """Where this node may take relay slots once it learns it is private: `addresses()` of members that relay."""
+        self._relay_sources.append(addresses)
 
     # lifecycle --------------------------------------------------------------------------------
     def start(self, timeout: float = 20.0) -> Node:
-        hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop or wedge the host (hardening.py)
-        tuning.install()  # and four of its per-message costs that grow with the swarm, cut (tuning.py)
+        libp2p_hardening.install()  # py-libp2p 0.8.1 paths where a peer's bytes would stop or wedge the host
+        libp2p_tuning.install()  # and four of its per-message costs that grow with the swarm, cut
         self.loop.start(self._main, timeout, on_exit=self._stop_pubsub)
         return self
 
@@ -137,7 +167,7 @@ class Node:
         self._bootstraps = bootstraps = reach.Bootstraps(
             self.config.bootstrap, self.peer_id, self._connect, self._live_peers,
             getattr(host.get_network(), "_negative_peer_cache", None))
-        hardening.watch(host, self.strike)  # a peer whose input py-libp2p failed on is struck
+        libp2p_hardening.watch(host, self.strike)  # a peer whose input py-libp2p failed on is struck
         self._pubsub, router = topics.new_pubsub(host)
         circuits, relay_config = reach.relay_protocol(host, self.config.relay_service)
         with trio.CancelScope() as scope:
@@ -212,7 +242,7 @@ class Node:
         return self.reachability.reach == "private"
 
     def _relay_candidates(self) -> list[str]:
-        return [addr for candidates in self.relay_candidates for addr in candidates()]
+        return [addr for candidates in self._relay_sources for addr in candidates()]
 
     def _listen_ports(self) -> tuple[int, ...]:
         return addresses.tcp_ports(str(a) for a in self._host.get_addrs()) if self._host is not None else ()
@@ -222,9 +252,7 @@ class Node:
         return endpoint[0] if endpoint else None
 
     async def _ask_dialback(self, peer: str, request: DialBack) -> DialedBack:
-        reply: DialedBack = await self.requests.request(peer, ids.DIALBACK, encode(request), dialback.REPLIES,
-                                                        timeout=dialback.PROBE_TIMEOUT_S + 5.0)
-        return reply
+        return await self.requests.request(peer, DIALBACK, request, timeout=dialback.PROBE_TIMEOUT_S + 5.0)
 
     def connect(self, addr: str, timeout: float = 10.0) -> str:
         """Dial a multiaddr ending in /p2p/<peer id> (relayed: .../p2p-circuit/p2p/<id>); returns the peer id."""
@@ -300,9 +328,9 @@ class Node:
         return peers.live_peers(self._host)
 
     def _kept(self) -> set[str]:
-        """Peers the peerstore keeps while not connected: this node, its bootstraps, `keep_known` (members)."""
+        """Peers the peerstore keeps while not connected: this node, its bootstraps, `keep_dialable`'s (members)."""
         kept = {self.peer_id, *(self._bootstraps.peers() if self._bootstraps else ())}
-        for more in list(self.keep_known):
+        for more in list(self._keep_known):
             kept.update(more())
         return kept
 
@@ -329,16 +357,18 @@ class Node:
             self.spawn(self.disconnect_async, peer)
             return
         self.gate.connected(peer)
-        for cb in self.on_peer_connected:
-            cb(peer)
+        for connected, _ in list(self._peer_watchers):
+            if connected is not None:
+                connected(peer)
 
     def _disconnected(self, peer: str) -> None:
         if self._host is not None and _peer_id(peer) in self._live_peers():
             return
         self.gate.disconnected(peer)
         self.requests.forget(peer)
-        for cb in list(self.on_peer_disconnected):
-            cb(peer)
+        for _, disconnected in list(self._peer_watchers):
+            if disconnected is not None:
+                disconnected(peer)
 
     # streams ----------------------------------------------------------------------------------
     async def new_stream_when_ready(self, peer: str, protocol: str) -> Any:
@@ -374,25 +404,21 @@ class Node:
                 self.loop.run_sync(self._host.set_stream_handler, TProtocol(protocol), wrapped)
 
     # request / response -----------------------------------------------------------------------
-    def serve(self, protocol: str, handler: Handler, requests: Decoder[Any], threads: int | None = None) -> None:
-        """Answer requests on `protocol`, decoded by `requests`. A sync handler runs in a worker thread;
-        an async one in the loop. It gets (peer id, message) and returns the reply; raising
-        `ProtocolError` answers with an error and counts against the peer; other exceptions answer
-        "internal error". `threads`: work that may take seconds (audits, reveals, judging) gets that many
-        threads of its own, the requests past them waiting their turn without a thread; None: trio's shared
-        pool, which serves session opens, beats and every quick handler and must never run out."""
+    def serve(self, rpc: Rpc[Any, Any], handler: Handler, threads: int | None = None) -> None:
+        """Answer requests of `rpc`. A sync handler runs in a worker thread; an async one in the loop. It gets
+        (peer id, request) and returns the reply; raising `ProtocolError` answers with an error and counts
+        against the peer; other exceptions answer "internal error". `threads`: work that may take seconds
+        (audits, reveals, judging) gets that many threads of its own, the requests past them waiting their turn
+        without a thread; None: trio's shared pool, which serves session opens, beats and every quick handler
+        and must never run out."""
         limiter = trio.CapacityLimiter(threads) if threads is not None else None
-        self._set_handler(protocol, functools.partial(self.requests.serve_stream, protocol, handler, requests,
-                                                      limiter))
+        self._set_handler(rpc.id, functools.partial(self.requests.serve_stream, rpc.id, handler,
+                                                    rpc.request_decoder(self.config.max_tensor_bytes), limiter))
 
-    def request(self, peer: str, protocol: str, msg: Message, replies: Decoder[Any], timeout: float = 10.0,
-                limit: int = CONTROL_LIMIT) -> Any:
-        """Send `msg`, wait for the reply. Raises TimeoutError, PeerUnavailable or RemoteError. `limit`: the
-        largest request (the peer's decoder for `protocol` must take as much: evidence carries tensors)."""
-        body = encode(msg)
-        if len(body) > limit:
-            raise NodeError(f"request of {len(body)} bytes exceeds the {limit}-byte limit")
-        return self.call(self.requests.request, peer, protocol, body, replies, timeout)
+    def request(self, peer: str, rpc: Rpc[Req, Rep], msg: Req, timeout: float = 10.0) -> Rep:
+        """Send `msg`, wait for the reply. Raises TimeoutError, PeerUnavailable or RemoteError."""
+        reply: Rep = self.call(self.requests.request, peer, rpc, msg, timeout)
+        return reply
 
     # channels ---------------------------------------------------------------------------------
     def serve_channel(self, protocol: str, on_channel: Callable[[Channel], None], limit: int | None = None) -> None:

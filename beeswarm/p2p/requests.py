@@ -17,7 +17,8 @@ from beeswarm.p2p import wire
 from beeswarm.p2p.channel import close_stream, quiet_reset
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.host import Host
-from beeswarm.protocol import CONTROL_LIMIT, Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode
+from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, RemoteError, encode
+from beeswarm.protocol.rpcs import Rep, Req, Rpc
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ Handler = Callable[[str, Any], Message] | Callable[[str, Any], Awaitable[Message
 
 
 class Requests:
-    def __init__(self, node: Host):
-        self.node = node
+    def __init__(self, node: Host, tensor_limit: int):
+        """`tensor_limit`: the largest message an RPC that carries tensors takes (the node's --max-tensor-bytes)."""
+        self.node, self.tensor_limit = node, tensor_limit
         self._idle: dict[tuple[str, str], list[tuple[Any, wire.FrameReader]]] = {}
 
     def forget(self, peer: str) -> None:
@@ -85,8 +87,14 @@ class Requests:
             return ErrorReply(error="internal error")
 
     # asking -----------------------------------------------------------------------------------
-    async def request(self, peer: str, protocol: str, body: bytes, replies: Decoder[Any], timeout: float) -> Any:
-        """The decoded reply to `body`; an ErrorReply raises RemoteError."""
+    async def request(self, peer: str, rpc: Rpc[Req, Rep], msg: Req, timeout: float) -> Rep:
+        """The decoded reply to `msg`; an ErrorReply raises RemoteError, a reply of another kind than `rpc`
+        answers is the peer's protocol error."""
+        body = encode(msg)
+        largest = rpc.largest_request(self.tensor_limit)
+        if len(body) > largest:
+            raise NodeError(f"request of {len(body)} bytes exceeds the {largest}-byte limit of {rpc.id}")
+        protocol, replies = rpc.id, rpc.reply_decoder(self.tensor_limit)
         key = (peer, protocol)
         try:
             with trio.fail_after(timeout):
@@ -113,7 +121,7 @@ class Requests:
                         await close_stream(stream)
                     if isinstance(reply, ErrorReply):
                         raise RemoteError(reply.error, reply.busy, reply.room)
-                    return reply
+                    return reply  # decoded as one of the replies `rpc` names
         except trio.TooSlowError:
             raise TimeoutError(f"{protocol} request to {peer} timed out after {timeout} s") from None
         except ProtocolError as e:
@@ -123,8 +131,3 @@ class Requests:
             raise
         except Exception as e:  # noqa: BLE001 - resets, refused protocol, closed connection
             raise PeerUnavailable(f"{protocol} to {peer}: {type(e).__name__}: {e}") from None
-
-
-def reply_decoder(*types: type[Message], limit: int = CONTROL_LIMIT) -> Decoder[Any]:
-    """Replies of these types, or an error reply."""
-    return Decoder(*types, ErrorReply, limit=limit)

@@ -5,7 +5,7 @@ Names are imported lazily so light commands (`beeswarm identity`) do not pay tor
 import importlib
 
 _EXPORTS = {
-    "EntryModel": "beeswarm.shard.entry",
+    "EntryModel": "beeswarm.shard.entry_model",
     "SessionError": "beeswarm.shard.errors",
     "ShardError": "beeswarm.shard.errors",
     "Span": "beeswarm.protocol.spans",

@@ -30,10 +30,11 @@ from typing import Any, Protocol
 import torch
 
 from beeswarm.generation.generate import Generation
-from beeswarm.generation.sampling import Noise, SamplingParams, Seen, new_noise, penalize, sample
+from beeswarm.generation.sampling import Noise, Sampling, SamplingParams, Seen, new_noise, penalize, sample
 from beeswarm.spec.draft import DraftModel
+from beeswarm.spec.layout import Keep, KVLayout
 from beeswarm.spec.tree import MAX_CANDIDATES, ROOT, DraftTree
-from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, MIN_RING_S, CostMeter, Plan, TreeShape, Tuner
+from beeswarm.spec.tuner import MAX_DEPTH, MAX_TREE_NODES, MIN_RING_S, CostMeter, Plan, RoundCosts, TreeShape, Tuner
 from beeswarm.spec.verify import judge
 
 REPLAN_S = 1.0  # a plan holds this long at least (planning takes a few ms), re-planned at a fresh round
@@ -116,44 +117,97 @@ class _Step:
     dead: bool = False  # none of its nodes can be committed any more
 
 
-class _Speculation:
-    """The tree of one generation's speculation, the stages' KV layout, and the walk."""
+class Flight:
+    """The steps in flight to the target, oldest first (a pipelined speculation keeps several), and what their
+    round trips measure. Steps return in the order sent."""
 
-    def __init__(self, target: Target, draft: DraftModel, params: SamplingParams, tuner: Tuner,
-                 noise: Noise | None, committed: list[int], base: int, max_length: int | None,
-                 max_in_flight: int, report: SpecReport, commit: Callable[[int], bool]):
-        self.target, self.draft, self.params, self.tuner = target, draft, params, tuner
-        self.noise, self.report, self.commit = noise, report, commit
-        self.max_length, self.max_in_flight = max_length, max_in_flight
-        self.meter = CostMeter(tuner.costs)
+    def __init__(self, target: Target, max_in_flight: int, costs: RoundCosts):
+        self.target, self.max_in_flight, self.costs = target, max_in_flight, costs
+        self.steps: collections.deque[_Step] = collections.deque()
+        self.cancelling = False  # the next step cancels those before it
+        self.step_s = 0.01  # the entry's time to draft a continuation step (running average)
+        self.meter = CostMeter(costs)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def send(self, tokens: torch.Tensor, rows: list[int], start: int, mask: torch.Tensor, keep: Keep | None,
+             draft_s: float, levels: int, continuation: bool) -> None:
+        if continuation:
+            self.step_s += 0.3 * (draft_s - self.step_s)
+        sent = time.perf_counter()
+        handle = self.target.submit(tokens, start, mask, keep, self.cancelling)
+        self.cancelling = False
+        self.steps.append(_Step(handle, rows, sent, draft_s, levels))
+
+    def receive(self) -> tuple[_Step, torch.Tensor]:
+        """Wait for the oldest step: it, and its logits."""
+        step = self.steps.popleft()
+        logits, arrived = self.target.collect(step.handle)
+        # the step's time past its draft: the pass around the ring (and any queue behind earlier steps)
+        self.meter.observe(step.draft_s, step.levels, len(step.rows), arrived - step.sent)
+        return step, logits
+
+    def until_due(self) -> float:
+        """Seconds until the oldest step in flight is due back (a pass after it was sent)."""
+        if not self.steps:
+            return float("inf")
+        step = self.steps[0]
+        return step.sent + self.costs.fixed_s + self.costs.per_token_s * len(step.rows) - time.perf_counter()
+
+    def live(self, wanted: Callable[[int], bool]) -> int:
+        """Steps whose results the walk may still use (a step none of whose rows is `wanted` is dead for good)."""
+        live = 0
+        for step in self.steps:
+            step.dead = step.dead or not any(map(wanted, step.rows))
+            live += not step.dead
+        return live
+
+    def cancel(self) -> tuple[int, int]:
+        """Every step in flight can no longer be used: discarded here, dropped by the stages where it has not run
+        yet (the next step says so). The steps and rows cancelled."""
+        self.cancelling = self.cancelling or bool(self.steps)
+        cancelled = len(self.steps), sum(len(step.rows) for step in self.steps)
+        self.discard_all()
+        return cancelled
+
+    def discard_all(self) -> None:
+        while self.steps:
+            self.target.discard(self.steps.popleft().handle)
+
+
+class Speculation:
+    """The tree of one generation's speculation and the walk; `flight` the steps sent, `kv` where the sent nodes
+    sit in the stages' KV (`layout.KVLayout`, its capacity the target session's)."""
+
+    def __init__(self, flight: Flight, kv: KVLayout, draft: DraftModel, sampling: Sampling, tuner: Tuner,
+                 committed: list[int], commit: Callable[[int], bool], report: SpecReport):
+        """`committed`: the prompt and the tokens committed so far (the last is not in the KV yet); `commit(token)`
+        emits each one the walk commits, False once generation is over."""
+        self.flight, self.kv, self.draft, self.sampling = flight, kv, draft, sampling
+        self.tuner, self.commit, self.report = tuner, commit, report
         self.tree = DraftTree()
         self.committed = list(committed)  # every committed token; the last is `at`'s
         self.at = self.tree.add(ROOT, committed[-1])  # the walk's node: committed, its children next to judge
-        self.spine = {self.at}  # committed nodes not yet compacted
+        self.kv.spine = {self.at}
         self.fresh = True  # the walk's node is not in the stages' KV yet (the prompt's last token, a miss's token)
-        self.base = base  # committed tokens compacted in the stages' KV
-        self.slots: dict[int, int] = {}  # node -> its position in the stages' KV, for nodes sent past `base`
-        self.kv_end = base  # the stages' KV length once every step sent has run
         self.rows: dict[int, torch.Tensor] = {}  # the target's logits after each node whose result arrived
         self.level = {self.at: 0}  # a node's depth below the last fresh round's root (the tuner's statistics)
         self.drafted: dict[int, tuple[float, int]] = {}  # a drafted node: the draft's probability, its rank
-        self.flight: collections.deque[_Step] = collections.deque()
-        self.cancelling = False  # the next step cancels those before it
-        self.step_s = 0.01  # the entry's time for a continuation step (running average)
-        self.plan = tuner.plan(max_in_flight)
+        self.plan = tuner.plan(flight.max_in_flight)
         self.planned = (time.perf_counter(), len(self.committed))  # when, and the tokens committed then
 
     # the walk ----------------------------------------------------------------------------------
     def advance(self) -> bool:
         """Judge nodes while the target's results allow; False once generation is over."""
-        seen = Seen(self.committed) if self.params.repetition_penalty != 1.0 else None
+        seen = Seen(self.committed) if self.sampling.params.repetition_penalty != 1.0 else None
         while self.at in self.rows:
             logits = self.rows.pop(self.at)
             if seen is not None:
-                logits = penalize(logits, seen, self.params.repetition_penalty)
+                logits = penalize(logits, seen, self.sampling.params.repetition_penalty)
             trials: list[tuple[int, int, bool]] = []
-            child, token = judge(self.tree, self.at, logits, self.params, self.noise, len(self.committed),
-                                 min(self.level[self.at] + 1, MAX_DEPTH), trials)
+            child, token = judge(self.tree, self.at, logits, self.sampling.params, self.sampling.noise,
+                                 len(self.committed), min(self.level[self.at] + 1, MAX_DEPTH), trials)
             for depth, candidate, ok in trials:
                 self.tuner.stats.record(depth, candidate, ok)
             for node in self.tree.children(self.at):
@@ -168,7 +222,7 @@ class _Speculation:
             else:
                 self.report.accepted[-1] += 1
             self.at = child
-            self.spine.add(child)
+            self.kv.spine.add(child)
             self.committed.append(token)
             if seen is not None:
                 seen = seen.plus([token])
@@ -178,7 +232,7 @@ class _Speculation:
 
     def wanted(self, node: int) -> bool:
         """A sent node whose result the walk may still use: the walk's own, or one still committable."""
-        return node == self.at or (node in self.slots and self.alive(node))
+        return node == self.at or (node in self.kv.slots and self.alive(node))
 
     def alive(self, node: int) -> bool:
         """Still committable: below the walk's node."""
@@ -200,7 +254,7 @@ class _Speculation:
             if self.plan.depth > 1 and fresh.depth > FRESH_AHEAD:
                 ahead = TreeShape(fresh.widths[:FRESH_AHEAD], fresh.max_nodes, fresh.min_path_prob)
                 if self.send([(self.at, None)], ahead):
-                    sent = self.flight[-1].rows
+                    sent = self.flight.steps[-1].rows
                     leaves = [n for n in sent if n not in self.tree.dists]
                     each = max(1, (fresh.nodes - len(sent) + 1) // max(1, len(leaves)))  # the whole tree's budget
                     rest = TreeShape(fresh.widths[FRESH_AHEAD:], each, fresh.min_path_prob)
@@ -212,36 +266,25 @@ class _Speculation:
             if not hangs or not self.send(hangs, self.plan.more):
                 return
 
-    def until_due(self) -> float:
-        """Seconds until the oldest step in flight is due back (a pass after it was sent)."""
-        if not self.flight:
-            return float("inf")
-        step, costs = self.flight[0], self.tuner.costs
-        return step.sent + costs.fixed_s + costs.per_token_s * len(step.rows) - time.perf_counter()
-
     def result_due(self) -> bool:
         """The oldest step's result is due before another step could be drafted: take it first (it may be a miss,
         and then the fresh round cannot wait; else the next places are chosen knowing it). Only on a ring long
         enough to pipeline (`MIN_RING_S`): on a short one a result is due after every step, and waiting for
         each would keep fewer steps in flight than the plan; a synchronous target has every result at once."""
-        return (not isinstance(self.target, Eager) and self.tuner.costs.fixed_s >= MIN_RING_S
-                and self.until_due() <= self.step_s)
+        return (not isinstance(self.flight.target, Eager) and self.tuner.costs.fixed_s >= MIN_RING_S
+                and self.flight.until_due() <= self.flight.step_s)
 
     def idle(self) -> bool:
         """Time for one more continuation before the oldest step in flight is due back: drafting it then delays
         nothing the walk waits for, and covers deeper (up to `max_in_flight` steps; a pinned number in flight is
         kept exactly)."""
-        return (self.plan.depth > 1 and bool(self.flight) and len(self.flight) < self.max_in_flight
-                and self.tuner.in_flight is None and self.until_due() > 2 * self.step_s)
+        return (self.plan.depth > 1 and bool(self.flight) and len(self.flight) < self.flight.max_in_flight
+                and self.tuner.in_flight is None and self.flight.until_due() > 2 * self.flight.step_s)
 
     def live_steps(self) -> int:
         """Steps in flight whose results the walk may still use: the plan's depth counts only those, so a step
         hung under a branch the walk left is replaced at once rather than when it returns."""
-        live = 0
-        for step in self.flight:
-            step.dead = step.dead or not any(map(self.wanted, step.rows))
-            live += not step.dead
-        return live
+        return self.flight.live(self.wanted)
 
     def replan(self, again: bool = True) -> None:
         """Plan again from what the statistics say now; a pipelined plan's measured rate calibrates the next."""
@@ -249,7 +292,7 @@ class _Speculation:
         if self.plan.depth > 1 and now - t0 >= REPLAN_S / 2:
             self.tuner.observe_pipelined(self.plan.model_rate, (len(self.committed) - n0) / (now - t0))
         if again:
-            self.plan, self.planned = self.tuner.plan(self.max_in_flight), (now, len(self.committed))
+            self.plan, self.planned = self.tuner.plan(self.flight.max_in_flight), (now, len(self.committed))
 
     def frontier(self, count: int) -> list[tuple[int, int | None]]:
         """The `count` likeliest places (under the draft) to speculate further below the walk's node: a leaf no
@@ -275,7 +318,7 @@ class _Speculation:
                 entry = (place[0], -node, node, place[1])
                 (heapq.heappush if len(best) < count else heapq.heappushpop)(best, entry)
             for c in children:
-                if c in self.slots:
+                if c in self.kv.slots:
                     heapq.heappush(nodes, (minus_p * chance(*self.drafted[c]), c))
         return [(node, token) for _, _, node, token in sorted(best, reverse=True)]
 
@@ -301,8 +344,8 @@ class _Speculation:
         keep, window = self.compact()
         rows = [self.at] if self.fresh else []
         budget = len(hangs) * (MAX_TREE_NODES + 1)
-        if self.max_length is not None:
-            budget = min(budget, self.max_length - self.kv_end - len(rows))
+        if self.kv.capacity is not None:
+            budget = min(budget, self.kv.capacity - self.kv.end - len(rows))
         under = []
         for hang, token in hangs:
             if token is not None:  # a new candidate first, then a tree under it
@@ -316,8 +359,8 @@ class _Speculation:
         budget = min(budget, len(under) * shape.nodes)
         if under and budget > 0:
             forest, _ = self.draft.propose_many(self.committed, [self.path_tokens(h) for h in under],
-                                                TreeShape(shape.widths, budget, shape.min_path_prob), self.params,
-                                                self.noise)
+                                                TreeShape(shape.widths, budget, shape.min_path_prob),
+                                                self.sampling.params, self.sampling.noise)
             rows += self.graft(forest)
         if not rows:
             return False
@@ -330,22 +373,13 @@ class _Speculation:
                 node = self.tree.parents[node]
         mask = torch.zeros(len(rows), len(col), dtype=torch.bool)
         mask[seen_rows, seen_cols] = True
-        start, sent = self.kv_end, time.perf_counter()
-        draft_s = sent - t0
-        if not self.fresh:
-            self.step_s += 0.3 * (draft_s - self.step_s)
-        handle = self.target.submit(torch.tensor([self.tree.tokens[n] for n in rows]), start, mask, keep,
-                                    self.cancelling)
-        self.cancelling = False
-        for i, node in enumerate(rows):
-            self.slots[node] = start + i
+        self.report.in_flight[self.live_steps() + 1] += 1
+        self.flight.send(torch.tensor([self.tree.tokens[n] for n in rows]), rows, self.kv.place(rows), mask, keep,
+                         time.perf_counter() - t0, shape.depth + 1, continuation=not self.fresh)
         self.fresh = False
-        self.kv_end = start + len(rows)
         self.report.steps += 1
         self.report.rows_sent += len(rows)
-        self.report.in_flight[self.live_steps() + 1] += 1
         self.report.shapes[shape.widths] += 1
-        self.flight.append(_Step(handle, rows, sent, draft_s, shape.depth + 1))
         return True
 
     def graft(self, forest: DraftTree) -> list[int]:
@@ -374,30 +408,18 @@ class _Speculation:
     def compact(self) -> tuple[tuple[int, list[int]] | None, list[int]]:
         """The keep for the next step (committed nodes to `base`, then live ones; the rest dropped) and the
         live nodes in their new order: the next step's window."""
-        sent = sorted(self.slots, key=self.slots.__getitem__)
-        committed = [n for n in sent if n in self.spine]
-        live = [n for n in sent if n not in self.spine and self.alive(n)]
-        offsets = [self.slots[n] - self.base for n in committed + live]
+        keep, live, forgotten = self.kv.compact(self.at, self.alive)
+        for node in forgotten:
+            self.drafted.pop(node, None), self.level.pop(node, None)
         kept = set(live) | {self.at}
-        keep = None if offsets == list(range(self.kv_end - self.base)) else (self.base, offsets)
-        for node in sent:
-            del self.slots[node]
-            if node not in kept:
-                self.drafted.pop(node, None), self.level.pop(node, None)
         for node in [n for n in self.tree.candidates if n not in kept]:
             del self.tree.candidates[node], self.tree.dists[node], self.tree.ranked[node]  # never judged: free them
         self.rows = {n: r for n, r in self.rows.items() if n in kept}
-        self.base += len(committed)
-        self.spine = {self.at}
-        for i, node in enumerate(live):
-            self.slots[node] = self.base + i
-        self.kv_end = self.base + len(live)
         return keep, live
 
     def receive(self) -> None:
         """Wait for the oldest step in flight and keep the results the walk may still need."""
-        step = self.flight.popleft()
-        logits, arrived = self.target.collect(step.handle)
+        step, logits = self.flight.receive()
         wanted = [i for i, node in enumerate(step.rows) if self.wanted(node)]
         if not wanted:
             self.report.cancelled += 1
@@ -408,20 +430,11 @@ class _Speculation:
             self.report.tried.append(0)
         for i in wanted:
             self.rows[step.rows[i]] = logits[i]
-        # the step's time past its draft: the pass around the ring (and any queue behind earlier steps)
-        self.meter.observe(step.draft_s, step.levels, len(step.rows), arrived - step.sent)
 
     def cancel(self) -> None:
-        """Steps in flight that can no longer be used: discarded here, dropped by the stages where they have not
-        run yet (the next step says so)."""
-        self.cancelling = self.cancelling or bool(self.flight)
-        self.report.cancelled += len(self.flight)
-        self.report.rows_cancelled += sum(len(step.rows) for step in self.flight)
-        self.discard_all()
-
-    def discard_all(self) -> None:
-        while self.flight:
-            self.target.discard(self.flight.popleft().handle)
+        steps, rows = self.flight.cancel()
+        self.report.cancelled += steps
+        self.report.rows_cancelled += rows
 
 
 def speculative_generate(target: TargetForward | Target, draft: DraftModel, prompt_ids: list[int],
@@ -458,15 +471,15 @@ def speculative_generate(target: TargetForward | Target, draft: DraftModel, prom
     going = commit(sample(logits[-1], params, noise, len(prompt_ids), prompt_ids)) if max_new_tokens > 0 else False
     ttft = time.perf_counter() - t0
     draft.reset(len(prompt_ids) + max_new_tokens + 2 * (max_in_flight + 1) * (MAX_TREE_NODES + 2))
-    spec = _Speculation(target, draft, params, tuner, noise, list(prompt_ids) + tokens, len(prompt_ids),
-                        max_length, max_in_flight, report, commit)
+    spec = Speculation(Flight(target, max_in_flight, tuner.costs), KVLayout(len(prompt_ids), capacity=max_length),
+                        draft, Sampling(params, noise), tuner, list(prompt_ids) + tokens, commit, report)
     try:
         while going:
             spec.fill()
             spec.receive()
             going = spec.advance()
     finally:
-        spec.discard_all()
+        spec.flight.discard_all()
     spec.replan(again=False)
     report.plan = spec.plan
     report.acceptance_by_depth = tuner.stats.by_depth()

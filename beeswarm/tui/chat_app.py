@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input
 
 from beeswarm.client.chat import ChatSession, Reply
-from beeswarm.client.remote import StageFailed
+from beeswarm.client.dataplane import StageFailed
 from beeswarm.client.swarm import NoRoute
 from beeswarm.tui.widgets.status_bar import ChatFigures, StatusBar
 from beeswarm.tui.widgets.swarm_panel import SwarmPanel

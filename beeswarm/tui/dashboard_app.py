@@ -13,8 +13,8 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header
 
+from beeswarm.contributor.contributor import LEAVE_GRACE_S, Contributor
 from beeswarm.contributor.lifecycle import Phase
-from beeswarm.contributor.process import LEAVE_GRACE_S, Contributor
 from beeswarm.contributor.status import ContributorStatus
 from beeswarm.tui.widgets.help_screen import HelpScreen
 from beeswarm.tui.widgets.identity_panel import IdentityPanel

@@ -1,6 +1,6 @@
 """The entry's receipts: the work each stage served its sessions, counted from the commitments it checked,
 signed per session once the session's audits settled, and given to the stage (`ids.RECEIPT`), which hands
-it in to the coordinator (`contributor.credits`). A stage an audit caught gets none.
+it in to the coordinator (`credits.stage_receipts`). A stage an audit caught gets none.
 
 Work is layer-tokens: a step of q positions through a span of L layers is L*q; positions before the
 session's prefill end (the prompt and the tokens that stand, prefilled again after a failover) count as
@@ -17,19 +17,18 @@ from dataclasses import dataclass
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from beeswarm.coordinator.receipts import sign_receipt
+from beeswarm.credits.receipts import sign_receipt
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
 from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
 from beeswarm.p2p.signatures import sign_bytes
-from beeswarm.protocol import RemoteError, encode, ids
-from beeswarm.protocol.credits import Given, Kept, Receipt
+from beeswarm.protocol import RemoteError
+from beeswarm.protocol.credits import Given, Receipt
+from beeswarm.protocol.rpcs import RECEIPT
 from beeswarm.protocol.session import open_body
 from beeswarm.protocol.step import Commit
 
 log = logging.getLogger(__name__)
 GIVE_TIMEOUT_S = 10.0
-_kept = reply_decoder(Kept)
 
 
 @dataclass
@@ -96,8 +95,7 @@ class ReceiptBook:
 
     async def _give(self, r: Receipt) -> None:
         try:
-            await self.node.requests.request(r.stage, ids.RECEIPT, encode(Given(receipt=r)), _kept,
-                                             timeout=GIVE_TIMEOUT_S)
+            await self.node.requests.request(r.stage, RECEIPT, Given(receipt=r), timeout=GIVE_TIMEOUT_S)
         except (TimeoutError, PeerUnavailable, NodeError, RemoteError) as e:
             log.info("could not give stage %s its receipt for session %s: %s", r.stage, r.session, e)
         finally:

@@ -17,11 +17,12 @@ from collections.abc import Callable
 
 import trio
 
-from beeswarm.coordinator.credit_ledger import CreditLedger
 from beeswarm.coordinator.follower import PlanFollower
-from beeswarm.coordinator.receipts import receipt_verifies, sign_ledger
-from beeswarm.protocol import Decoder, ErrorReply, Message, ids
+from beeswarm.credits.ledger import CreditLedger
+from beeswarm.credits.receipts import receipt_verifies, sign_ledger
+from beeswarm.protocol import ErrorReply, Message, ids
 from beeswarm.protocol.credits import HandIn, LedgerRequest, Recorded, SignedLedger
+from beeswarm.protocol.rpcs import CREDITS
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ PUBLISH_AFTER_S = 5.0  # a change is published within this (up to 64 KiB to ever
 REPUBLISH_S = 30.0  # and the ledger again when nothing changed (for newcomers, and a successor that missed one)
 CAPACITY_MARGIN = 4.0  # times a stage's benchmarked layer-tokens/s it may be credited for (batching, bursts)
 STEP_TOKENS = 2048  # the longest step the capacity assumes (a long prompt's prefill: the fastest per token)
-_requests: Decoder[HandIn | LedgerRequest] = Decoder(HandIn, LedgerRequest)
 
 
 class CreditKeeper:
@@ -41,7 +41,7 @@ class CreditKeeper:
         self._published_at, self._seq_published = 0.0, -1
 
     def start(self) -> None:
-        self.node.serve(ids.CREDITS, self._on_request, _requests)
+        self.node.serve(CREDITS, self._on_request)
         self.node.add_task(self._loop)
 
     def _on_request(self, peer: str, msg: HandIn | LedgerRequest) -> Message:

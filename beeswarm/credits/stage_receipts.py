@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import trio
 
-from beeswarm.coordinator.credit_ledger import UNKNOWN_CAPACITY
-from beeswarm.coordinator.follower import PlanFollower
-from beeswarm.coordinator.receipts import receipt_verifies
+from beeswarm.credits.ledger import UNKNOWN_CAPACITY
+from beeswarm.credits.receipts import receipt_verifies
 from beeswarm.p2p.errors import NodeError, PeerUnavailable
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, ErrorReply, ProtocolError, RemoteError, encode, ids
+from beeswarm.p2p.node import Node
+from beeswarm.protocol import ErrorReply, ProtocolError, RemoteError
 from beeswarm.protocol.credits import MAX_RECEIPTS, Given, HandIn, Kept, Receipt, Recorded
+from beeswarm.protocol.rpcs import HAND_IN, RECEIPT
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,6 @@ HAND_IN_EVERY_S = 1.0
 RECHECK_S = 120.0
 MAX_PENDING = 4096
 MAX_PENDING_PER_ENTRY = 256  # so one entry's flood cannot push others' receipts out
-_given = Decoder(Given)
-_recorded = reply_decoder(Recorded)
 
 
 @dataclass
@@ -46,10 +44,11 @@ class ReceiptCounts:
 
 
 class ReceiptBox:
-    def __init__(self, follower: PlanFollower, swarm: str,
+    def __init__(self, node: Node, leader: Callable[[], str | None], swarm: str,
                  local: Callable[[str, HandIn], object] | None = None, clock: Callable[[], float] = time.monotonic):
-        """`local`: the coordinator of this node (`CreditKeeper.hand_in`), for when it leads."""
-        self.follower, self.node, self.swarm, self.local, self.clock = follower, follower.node, swarm, local, clock
+        """`leader()`: the coordinator to hand receipts in to (None: none now); `local`: the coordinator of this
+        node (`CreditKeeper.hand_in`), for when it leads."""
+        self.node, self.leader, self.swarm, self.local, self.clock = node, leader, swarm, local, clock
         self.counts = ReceiptCounts()
         self._lock = threading.Lock()
         self._pending: deque[Receipt] = deque()
@@ -57,7 +56,7 @@ class ReceiptBox:
         self._again: set[bytes] = set()  # keys of receipts handed in again: counted before, whatever the answer
 
     def start(self) -> None:
-        self.node.serve(ids.RECEIPT, self._on_receipt, _given)
+        self.node.serve(RECEIPT, self._on_receipt)
         self.node.add_task(self._loop)
 
     def _on_receipt(self, peer: str, msg: Given) -> Kept | ErrorReply:
@@ -88,7 +87,7 @@ class ReceiptBox:
     async def _loop(self) -> None:
         while True:
             await trio.sleep(HAND_IN_EVERY_S)
-            leader = self.follower.leader()
+            leader = self.leader()
             if leader is None:
                 continue
             with self._lock:
@@ -114,7 +113,7 @@ class ReceiptBox:
             if leader == self.node.peer_id and self.local is not None:
                 reply = await trio.to_thread.run_sync(self.local, leader, msg)
             else:
-                reply = await self.node.requests.request(leader, ids.CREDITS, encode(msg), _recorded, timeout=10.0)
+                reply = await self.node.requests.request(leader, HAND_IN, msg, timeout=10.0)
         except (TimeoutError, PeerUnavailable, NodeError, RemoteError) as e:
             reply = e
         if not isinstance(reply, Recorded) or len(reply.refused) != len(batch):

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TextIO
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -149,6 +150,29 @@ def adopt_libp2p(interval: float = INTERVAL_S) -> None:
             child.setLevel(logging.NOTSET)
             child.handlers.clear()
             child.propagate = True
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The logging configuration `setup()` changes, as it was (`save()`, `restore()`: for code that configures
+    logging for a while, tests and embedders)."""
+    level: int | None
+    loggers: dict[str, tuple[int, list[logging.Handler], bool]]  # name -> (level, handlers, propagate)
+
+
+def save() -> Saved:
+    return Saved(_level, {name: (logger.level, list(logger.handlers), logger.propagate)
+                          for name in ("", OURS, *THIRD_PARTY) for logger in [logging.getLogger(name)]})
+
+
+def restore(saved: Saved) -> None:
+    global _level
+    for name, (level, handlers, propagate) in saved.loggers.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
+    _level = saved.level
 
 
 def _route(logger: logging.Logger, handler: Summarised) -> None:

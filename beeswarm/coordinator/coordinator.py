@@ -40,7 +40,7 @@ from beeswarm.coordinator.election import Lease
 from beeswarm.coordinator.follower import PlanFollower
 from beeswarm.coordinator.planner import Plan, PlanError, plan
 from beeswarm.p2p.signatures import verify_bytes
-from beeswarm.protocol import Decoder, ErrorReply, Message, ProtocolError, ids
+from beeswarm.protocol import ErrorReply, Message, ProtocolError, ids
 from beeswarm.protocol.audit import Credited, Evidence, Passed, Verdict
 from beeswarm.protocol.coordinator import (
     MAX_RUNS,
@@ -56,6 +56,7 @@ from beeswarm.protocol.coordinator import (
     assignments,
 )
 from beeswarm.protocol.membership import NodeInfo
+from beeswarm.protocol.rpcs import EVIDENCE, PASSED, PLAN
 from beeswarm.protocol.spans import Span
 from beeswarm.protocol.step import commit_body
 
@@ -64,8 +65,6 @@ if TYPE_CHECKING:  # the judge recomputes spans (torch): a node without one neve
 
 log = logging.getLogger(__name__)
 
-_plan_requests: Decoder[PlanRequest] = Decoder(PlanRequest)
-_passes: Decoder[Passed] = Decoder(Passed)
 Judge = Callable[[Evidence], "Judgement"]  # checks evidence: recomputes spans (contributors inject it)
 REPUBLISH_BEATS = 10.0
 DEFAULT_LINK = (50.0, 100.0, 100.0)  # rtt ms, up, down Mbit/s assumed until a probe measures the pair
@@ -185,11 +184,11 @@ class Coordinator:
 
     def start(self) -> None:
         self.follower.listen()  # this coordinator ticks its election
-        self.node.serve(ids.PLAN, self._serve_plan, _plan_requests)
-        self.node.serve(ids.PASSED, self._on_passed, _passes)
+        self.node.serve(PLAN, self._serve_plan)
+        self.node.serve(PASSED, self._on_passed)
         if self._judge is not None:
-            self.node.serve(ids.EVIDENCE, self._on_evidence, Decoder(Evidence, limit=self.node.config.max_tensor_bytes),
-                            threads=1)  # judging recomputes a span: one at a time, off the shared pool
+            # judging recomputes a span: one at a time, off the shared pool
+            self.node.serve(EVIDENCE, self._on_evidence, threads=1)
         self.members.listeners.append(self._on_member)
         self.node.add_task(self._loop)
 

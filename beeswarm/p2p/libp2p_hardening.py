@@ -293,7 +293,7 @@ def install() -> None:
         _installed = True
     version = importlib.metadata.version("libp2p")
     if version != PY_LIBP2P:
-        log.warning("py-libp2p %s is installed; beeswarm's guards (p2p/hardening.py) were checked against %s",
+        log.warning("py-libp2p %s is installed; beeswarm's guards (p2p/libp2p_hardening.py) were checked against %s",
                     version, PY_LIBP2P)
     guards: list[tuple[type, str, Callable[..., Any]]] = [
         (BasicHost, "_swarm_stream_handler", _guarded_swarm_stream_handler),  # A

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from beeswarm.config import cache_dir
-from beeswarm.contributor.process import model_shape
+from beeswarm.contributor.contributor import model_shape
 from beeswarm.p2p import identity
 from beeswarm.p2p.descriptor import SwarmDescriptor, write
 from beeswarm.protocol.membership import Quant
@@ -97,16 +97,23 @@ def threads_per_process(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
+@dataclass(frozen=True)
+class ChildFlags:
+    """What every contributor of a local swarm is started with, besides its model (its command line)."""
+    heartbeat: float = 1.0
+    device: str = "auto"
+    quant: Quant = "none"
+    log_level: str = "WARNING"
+
+
 class LocalSwarm:
-    def __init__(self, n: int, model: str = "tinycode", base_port: int = 0, heartbeat: float = 1.0,
-                 log_level: str = "WARNING", state_dir: Path | None = None, device: str = "auto",
-                 announce: list[str] | None = None, on_spawn: Callable[[int, int], None] | None = None,
-                 quant: Quant = "none"):
+    def __init__(self, n: int, model: str = "tinycode", base_port: int = 0, flags: ChildFlags = ChildFlags(),
+                 state_dir: Path | None = None, announce: list[str] | None = None,
+                 on_spawn: Callable[[int, int], None] | None = None):
         """`announce`: per child, the multiaddr peers should dial instead of its own (a link emulator's);
         `on_spawn(index, pid)` is called as each child starts, before it can dial anyone."""
-        self.n, self.model, self.base_port, self.heartbeat = n, model, base_port, heartbeat
+        self.n, self.model, self.base_port, self.flags = n, model, base_port, flags
         self.announce, self.on_spawn = announce, on_spawn
-        self.log_level, self.device, self.quant = log_level, device, quant
         # One folder per run: two local swarms on one machine must not share identities.
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="swarm-", dir=_runs_dir()))
         self.children: list[Child] = []
@@ -118,9 +125,10 @@ class LocalSwarm:
 
     def _spawn(self, index: int, budget: int, joins: Sequence[str] = (), port: int | None = None) -> Child:
         port = port if port is not None else self.base_port + index if self.base_port else 0
-        cmd = [*beeswarm_command(), "--log-level", self.log_level, "contribute", "--headless", "--json-events",
+        f = self.flags
+        cmd = [*beeswarm_command(), "--log-level", f.log_level, "contribute", "--headless", "--json-events",
                "--model", self.model, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--max-memory", str(budget),
-               "--device", self.device, "--heartbeat", str(self.heartbeat), "--quant", self.quant]
+               "--device", f.device, "--heartbeat", str(f.heartbeat), "--quant", f.quant]
         for join in joins:
             cmd += ["--join", join]
         if self.announce:
@@ -167,7 +175,7 @@ class LocalSwarm:
         self.num_layers = load_config(checkpoint.resolve_config(self.model)).num_hidden_layers
         if not 1 <= self.n <= self.num_layers:
             raise LocalSwarmError(f"--local {self.n}: the model has {self.num_layers} layers; use 1..{self.num_layers}")
-        sizes = budgets(self.model, self.n, device=self.device, quant=self.quant)
+        sizes = budgets(self.model, self.n, device=self.flags.device, quant=self.flags.quant)
         port = self.base_port or _free_port()
         first = self._spawn(0, sizes[0], port=port)
         self.children.append(first)
@@ -202,7 +210,8 @@ class LocalSwarm:
             time.sleep(0.1)
 
     def descriptor(self, bootstrap: str) -> SwarmDescriptor:
-        return SwarmDescriptor(name="local", model=self.model, bootstrap=(bootstrap,), private=False, quant=self.quant)
+        return SwarmDescriptor(name="local", model=self.model, bootstrap=(bootstrap,), private=False,
+                               quant=self.flags.quant)
 
     def write_descriptor(self, bootstrap: str) -> Path:
         return write(self.descriptor(bootstrap), self.state_dir / "swarm.json")

@@ -19,18 +19,18 @@ import torch
 from beeswarm import codec
 from beeswarm.audit import commitments
 from beeswarm.audit.auditor import Auditor
-from beeswarm.client.receipts import ReceiptBook
+from beeswarm.credits.entry_receipts import ReceiptBook
 from beeswarm.p2p.channel import Channel, ChannelPool
 from beeswarm.p2p.errors import NodeError
 from beeswarm.p2p.node import Node
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import Decoder, Message, ProtocolError, RemoteError, encode, ids
+from beeswarm.protocol import Decoder, ProtocolError, RemoteError, encode, ids
 from beeswarm.protocol.audit import Evidence
 from beeswarm.protocol.coordinator import Stage
+from beeswarm.protocol.rpcs import SESSION
 from beeswarm.protocol.session import Close, Closed, Open, Opened
 from beeswarm.protocol.step import CacheState, Keep, Result, Step, StepError
 from beeswarm.shard import tensors
-from beeswarm.shard.entry import EntryModel
+from beeswarm.shard.entry_model import EntryModel
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ Route = tuple[Stage, ...]  # stages covering every layer in order
 # a step's result waited for this long at most; a stage that dies or stops beating fails its steps sooner
 STEP_TIMEOUT_S = 30.0
 CLOSE_AFTER_FAILURE_S = 5.0  # a session's other stages are told it closed, after a failure, this briefly
-_session_replies = reply_decoder(Opened, Closed)
 
 
 class Inbox:
@@ -142,28 +141,35 @@ class SentStep:
     positions: int
 
 
+@dataclass(frozen=True)
+class PipelineOptions:
+    mode: str = "push"  # "push": stage to stage; "hops": every hop back through the entry (Petals' routing)
+    link_bytes_per_s: float | None = None  # the entry's uplink for its codec (None: measured)
+    step_timeout_s: float = STEP_TIMEOUT_S
+    compress: bool = True  # False: raw frames on every hop (for comparisons)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("push", "hops"):
+            raise ValueError(f"mode must be push or hops, got {self.mode!r}")
+
+
 class RemotePipeline:
-    def __init__(self, node: Node, inbox: Inbox, entry: EntryModel, route: Route, mode: str = "push",
-                 link_bytes_per_s: float | None = None, step_timeout_s: float = STEP_TIMEOUT_S, compress: bool = True,
-                 auditor: Auditor | None = None, receipts: ReceiptBook | None = None):
-        """`compress=False`: raw frames on every hop of this pipeline's sessions (for comparisons);
-        `auditor`: gets every step's checked commitments (None: they are checked, then dropped); `receipts`:
+    def __init__(self, node: Node, inbox: Inbox, entry: EntryModel, route: Route,
+                 options: PipelineOptions = PipelineOptions(), auditor: Auditor | None = None,
+                 receipts: ReceiptBook | None = None):
+        """`auditor`: gets every step's checked commitments (None: they are checked, then dropped); `receipts`:
         counts the work they show.
         Call `close()` when done with it: it stops watching the route's connections."""
-        if mode not in ("push", "hops"):
-            raise ValueError(f"mode must be push or hops, got {mode!r}")
         spans = [s.span for s in route]
         if not route or spans[0].start != 0 or any(a.end != b.start for a, b in itertools.pairwise(spans)) or \
                 spans[-1].end != entry.config.num_hidden_layers:
             raise ValueError(f"route {[str(s) for s in spans]} does not cover layers "
                              f"[0, {entry.config.num_hidden_layers}) in order")
-        self.node, self.entry, self.route, self.mode, self.compress = node, entry, route, mode, compress
-        self.step_timeout_s = step_timeout_s
-        self.links = {stage.node: codec.LinkCodec(link_bytes_per_s) for stage in route}
+        self.node, self.entry, self.route, self.options = node, entry, route, options
+        self.links = {stage.node: codec.LinkCodec(options.link_bytes_per_s) for stage in route}
         self.inbox = inbox
         self._lost: dict[str, str] = {}  # route peer -> why it is gone: fail fast, not after the step timeout
-        node.on_peer_disconnected.append(self._on_disconnected)
-        node.on_peer_connected.append(self.found)
+        self._unwatch = node.watch_peers(self.found, self._on_disconnected)
         self._channels = ChannelPool(node.open_channel)
         self._step_ids = itertools.count()
         self.auditor, self.receipts = auditor, receipts
@@ -171,10 +177,7 @@ class RemotePipeline:
         self._caches: dict[str, CacheState] = {}  # session -> its stages' cache once every step sent has run
 
     def close(self) -> None:
-        if self._on_disconnected in self.node.on_peer_disconnected:
-            self.node.on_peer_disconnected.remove(self._on_disconnected)
-        if self.found in self.node.on_peer_connected:
-            self.node.on_peer_connected.remove(self.found)
+        self._unwatch()
         self._channels.close()
 
     # bytes on the wire as the entry saw them (its own sends and what came back)
@@ -203,14 +206,14 @@ class RemotePipeline:
     def open(self, max_length: int) -> str:
         """A session on every stage of the route; if one stage refuses, those already opened are closed."""
         session = os.urandom(8).hex()
-        push = self.mode == "push"
+        push = self.options.mode == "push"
         payer, payer_sig = self.receipts.vouch(session) if self.receipts else (None, b"")
         for i, stage in enumerate(self.route):
             prev = self.route[i - 1].node if push and i > 0 else self.node.peer_id
             nxt = self.route[i + 1].node if push and i < len(self.route) - 1 else None
             try:
-                self._request(stage, Open(session=session, max_length=max_length, prev=prev, next=nxt,
-                                          span=stage.span, compress=self.compress, payer=payer, payer_sig=payer_sig))
+                self._request(stage, Open(session=session, max_length=max_length, prev=prev, next=nxt, span=stage.span,
+                                          compress=self.options.compress, payer=payer, payer_sig=payer_sig))
             except StageFailed:
                 self.close_session(session, self.route[:i])
                 raise
@@ -234,17 +237,15 @@ class RemotePipeline:
                     log.debug("close: %s", e)
 
         if failed is None:
-            close(self.step_timeout_s)
+            close(self.options.step_timeout_s)
         else:
             threading.Thread(target=close, args=(CLOSE_AFTER_FAILURE_S,), name="close", daemon=True).start()
         if self.auditor is not None and stages is None:
             self.auditor.ended(session)  # its audits are drawn now, once per stage
 
-    def _request(self, stage: Stage, msg: Message, timeout: float | None = None) -> Message:
+    def _request(self, stage: Stage, msg: Open | Close, timeout: float | None = None) -> Opened | Closed:
         try:
-            reply: Message = self.node.request(stage.node, ids.SESSION, msg, _session_replies,
-                                               timeout=timeout or self.step_timeout_s)
-            return reply
+            return self.node.request(stage.node, SESSION, msg, timeout=timeout or self.options.step_timeout_s)
         except RemoteError as e:
             if e.busy:
                 raise StageBusy(stage.node, str(e), e.room) from None
@@ -262,7 +263,8 @@ class RemotePipeline:
         works on chunk i while stage k+1 works on chunk i-1.
         """
         kept = None if keep is None else Keep(keep[0], tuple(keep[1]))
-        if self.mode == "push" and micro_batches > 1 and tree_mask is None and len(token_ids) >= 2 * micro_batches:
+        push = self.options.mode == "push"
+        if push and micro_batches > 1 and tree_mask is None and len(token_ids) >= 2 * micro_batches:
             steps, position = [], start
             for chunk in torch.tensor_split(token_ids, micro_batches):
                 chunk_keep = kept if position == start else None
@@ -271,7 +273,7 @@ class RemotePipeline:
                 position += len(chunk)
             return self.entry.logits(torch.cat([self._await(session, step, self.route[0])[0] for step in steps]))
         hidden = self.entry.embed(token_ids)
-        stages = self.route if self.mode == "hops" else self.route[:1]
+        stages = self.route[:1] if push else self.route
         expect = self._advance(session, start, len(token_ids), kept)  # each stage's cache, in either mode
         for stage in stages:
             step = self._send_step(stage, session, hidden, start, tree_mask, kept, expect)
@@ -283,7 +285,7 @@ class RemotePipeline:
         """Send a step into the push chain without waiting for it; `collect` it later. The stages run a
         session's steps in the order sent, so several may be in flight (pipelined speculation); `cancel`: the
         earlier ones not computed yet are dropped (`discard` them)."""
-        if self.mode != "push":
+        if self.options.mode != "push":
             raise ValueError("steps in flight need the push chain")
         kept = None if keep is None else Keep(keep[0], tuple(keep[1]))
         return self._send_step(self.route[0], session, self.entry.embed(token_ids), start, tree_mask, kept,
@@ -314,7 +316,7 @@ class RemotePipeline:
     def _send_step(self, stage: Stage, session: str, hidden: torch.Tensor, start: int,
                    tree_mask: torch.Tensor | None, keep: Keep | None, expect: CacheState, cancel: bool = False) -> int:
         step = next(self._step_ids)
-        frame = tensors.encode(hidden, self.links[stage.node], "auto" if self.compress else "raw")
+        frame = tensors.encode(hidden, self.links[stage.node], "auto" if self.options.compress else "raw")
         msg = Step(entry=self.node.peer_id, session=session, step=step, start=start, frame=frame, expect=expect,
                    mask=tensors.encode_mask(tree_mask), keep=keep, cancel=cancel)
         self._sent[(session, step)] = SentStep(commitments.context(start, msg.mask, keep), commitments.digest(hidden),
@@ -331,15 +333,15 @@ class RemotePipeline:
     def _await(self, session: str, step: int, stage: Stage) -> tuple[torch.Tensor, float]:
         """The step's hidden states from the route's last stage (checked), and when they arrived."""
         sent = self._sent.pop((session, step))
-        got = self.inbox.wait((session, step), self.step_timeout_s, lambda: bool(self._lost))
+        got = self.inbox.wait((session, step), self.options.step_timeout_s, lambda: bool(self._lost))
         if got is None:
             lost = dict(self._lost)
             if lost:
                 peer, why = next(iter(lost.items()))
                 raise StageFailed(peer, why)
-            raise StepTimedOut(stage.node, f"no result for step {step} within {self.step_timeout_s} s")
+            raise StepTimedOut(stage.node, f"no result for step {step} within {self.options.step_timeout_s} s")
         sender, reply, arrived = got
-        last = self.route[-1] if self.mode == "push" else stage
+        last = self.route[-1] if self.options.mode == "push" else stage
         if isinstance(reply, StepError):
             nodes = {s.node for s in self.route}
             culprit = reply.culprit if reply.culprit in nodes else sender if sender in nodes else stage.node
@@ -351,7 +353,7 @@ class RemotePipeline:
             hidden = tensors.decode(reply.frame, self.links[last.node], self.node.config.max_tensor_bytes)
         except (codec.CodecError, ProtocolError) as e:
             raise StageFailed(last.node, f"bad result frame: {e}") from None
-        stages = self.route if self.mode == "push" else (stage,)
+        stages = self.route if self.options.mode == "push" else (stage,)
         self.check_commits(session, step, stages, sent, reply, hidden)
         if self.auditor is not None:
             self.auditor.observe(session, reply.commits)

@@ -23,9 +23,9 @@ from beeswarm.audit import evidence
 from beeswarm.audit.faults import Fault
 from beeswarm.audit.peer import PeerAuditService
 from beeswarm.contributor.audit_layers import AuditLayers
-from beeswarm.contributor.credits import ReceiptBox
 from beeswarm.contributor.lifecycle import Lifecycle, Phase
 from beeswarm.contributor.links import LinkCodecs
+from beeswarm.contributor.sessions import Sessions
 from beeswarm.contributor.stage import StageServer
 from beeswarm.contributor.status import (
     ContributorStatus,
@@ -37,19 +37,19 @@ from beeswarm.contributor.status import (
     ShardFigures,
 )
 from beeswarm.coordinator.cluster import ModelShape, Workload
-from beeswarm.coordinator.credits import CreditKeeper
+from beeswarm.coordinator.coordinator import Coordinator, Judge
+from beeswarm.coordinator.credit_keeper import CreditKeeper
 from beeswarm.coordinator.follower import PlanFollower
-from beeswarm.coordinator.service import Coordinator, Judge
+from beeswarm.credits.stage_receipts import ReceiptBox
 from beeswarm.p2p.identity import Identity
 from beeswarm.p2p.membership import Membership
 from beeswarm.p2p.node import Node, NodeConfig
 from beeswarm.p2p.probe import Prober
-from beeswarm.p2p.requests import reply_decoder
-from beeswarm.protocol import ids
 from beeswarm.protocol.audit import Reveal, Revealed
 from beeswarm.protocol.coordinator import PlanState, stages_of
 from beeswarm.protocol.credits import swarm_id
 from beeswarm.protocol.membership import NodeInfo, Quant
+from beeswarm.protocol.rpcs import REVEAL
 from beeswarm.protocol.spans import Span
 from beeswarm.shard import benchmark
 from beeswarm.shard.span import SpanRuntime
@@ -126,7 +126,7 @@ class Contributor:
         swarm = swarm_id(node.config.swarm, str(options.model))
         self.peer_audits = PeerAuditService(node, self.audit_layers)  # audits other stages for entries
         self.credits = CreditKeeper(self.coordinator.follower, swarm)  # records receipts while this node leads
-        self.receipts = ReceiptBox(self.coordinator.follower, swarm, local=self.credits.hand_in)
+        self.receipts = ReceiptBox(node, self.coordinator.follower.leader, swarm, local=self.credits.hand_in)
 
     @classmethod
     def create(cls, identity: Identity, options: ContributorOptions,
@@ -155,11 +155,8 @@ class Contributor:
 
     def _ask_reveal(self, stage: str, entry: str, session: str, step: int, piece: Span | None = None) -> Revealed:
         """As the coordinator judging `entry`'s word that `stage` refused it: ask `stage` ourselves."""
-        revealed: Revealed = self.node.request(stage, ids.AUDIT, Reveal(session=session, step=step, entry=entry,
-                                                                        piece=piece),
-                                               reply_decoder(Revealed, limit=self.node.config.max_tensor_bytes),
-                                               timeout=30.0)
-        return revealed
+        return self.node.request(stage, REVEAL, Reveal(session=session, step=step, entry=entry, piece=piece),
+                                 timeout=30.0)
 
     @property
     def phase(self) -> Phase:
@@ -196,7 +193,7 @@ class Contributor:
         self.receipts.start()
         self.peer_audits.start()
         self.prober.start()
-        self.node.on_failure.append(self._node_failed)
+        self.node.when_failed(self._node_failed)
         self.node.start()
         self.prober.report_links(self.members, every_s=120, bulk_bytes=1 << 20, stop=self.stopping,
                                  on_progress=self._probe_progress)
@@ -340,7 +337,7 @@ class Contributor:
                                 link.rtt_ms if link else None, link.up_mbps if link else None, info.state,
                                 me=info is me, reach=info.reach))
         server, traffic = self.server, (self.server.traffic if self.server else None)
-        sessions = list(server.sessions.values()) if server else []
+        sessions = server.sessions.all() if server else []
         runtime = server.runtimes.get(facts.span) if server and facts.span is not None else None
         resident = round(len(runtime.layers) * self.layer_bytes) if runtime is not None else 0
         history = tuple(self._meter.history)
@@ -413,10 +410,10 @@ class Contributor:
         if server is None:  # the first span: started outside the lock (start() waits on the node's loop, where
             # the plan listener takes the lock)
             weights = round(len(runtime.layers) * self.layer_bytes)  # resident layers only
-            server = StageServer(self.node, runtime, kv_budget_bytes=max(0, self.memory - weights),
-                                 links=LinkCodecs(link_rate=self._link_rate),
+            server = StageServer(self.node, runtime, Sessions(max(0, self.memory - weights), credit=self._credit),
+                                 LinkCodecs(link_rate=self._link_rate),
                                  fault=Fault.from_env(runtime.folder, runtime.hidden_size),
-                                 coordinator=self.coordinator.follower.leader, credit=self._credit).start()
+                                 coordinator=self.coordinator.follower.leader).start()
         else:
             server.add(runtime)  # the old span keeps serving until the plan drops it
         with self._lock:
