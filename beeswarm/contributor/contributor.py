@@ -371,6 +371,11 @@ class Contributor:
             thread.join(max(0.0, deadline - time.monotonic()))
         if self.server is not None:
             self.server.stop()
+            done = self.server.queue.batching  # how much it batched, for whoever reads its output
+            self.say(Event("served", f"served {done.steps} steps in {done.passes} passes "
+                                     f"({done.steps / max(1, done.passes):.2f} a pass)",
+                           {"steps": done.steps, "passes": done.passes, "tokens": self.server.tokens,
+                            "compute_s": round(done.compute_s, 3)}))
         self.node.stop()
 
     def _on_plan(self, state: PlanState) -> None:

@@ -17,7 +17,7 @@ from beeswarm.protocol.spans import Span
 class Event:
     """Something a contributor reports: `text` for people, `json()` for a process that reads its output."""
 
-    kind: str  # peer | addr | serving | paused | resumed | rebenched
+    kind: str  # peer | addr | serving | paused | resumed | rebenched | served (at the end: steps and passes)
     text: str
     fields: dict[str, Any] = field(default_factory=dict)
 
