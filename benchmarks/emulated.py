@@ -99,6 +99,7 @@ class EmulatedSwarm:
     def set_links(self, delays: dict[str, float], rate_bps: float | None = None) -> None:
         self.emu.set_links(delays, rate_bps)
 
-    def stop(self) -> None:
-        self.swarm.stop()
+    def stop(self, grace: float = 8.0) -> None:
+        """`grace`: seconds the contributors get to leave (and say what they served) before they are killed."""
+        self.swarm.stop(grace)
         self.emu.stop()

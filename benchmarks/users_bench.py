@@ -100,6 +100,8 @@ class User:
                 item = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(item, dict):
+                continue
             with self.cond:
                 self.lines.append(item)
                 self.cond.notify_all()
@@ -162,9 +164,9 @@ def slope(values: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def round_figures(every: list[dict], expected: list[list[int]]) -> dict:
+def round_figures(every: list[dict], expected_of_every: list[list[int]]) -> dict:
     results = [r for r in every if "error" not in r]
-    expected = [e for r, e in zip(every, expected) if "error" not in r]
+    expected = [e for r, e in zip(every, expected_of_every) if "error" not in r]
     errors = sorted({r["error"][:160] for r in every if "error" in r})
     if not results:
         return {"users": len(every), "failed": len(every), "errors": errors, "exact": 0}
@@ -179,8 +181,9 @@ def round_figures(every: list[dict], expected: list[list[int]]) -> dict:
             "ttft_slope_s_per_user": round(slope(ttft), 4),
             "exact": sum(r["tokens"] == e for r, e in zip(results, expected)), "users": len(every),
             "failed": len(every) - len(results), "errors": errors,
-            "wrong": [{"user": i, "got": r["tokens"], "expected": e} for i, (r, e) in enumerate(zip(results, expected))
-                      if r["tokens"] != e][:2],
+            "wrong": [{"user": i, "got": r["tokens"], "expected": e}
+                      for i, (r, e) in enumerate(zip(every, expected_of_every))
+                      if "error" not in r and r["tokens"] != e][:2],
             "recoveries": sum(r["recoveries"] for r in results)}
 
 
@@ -228,7 +231,7 @@ def series(args: argparse.Namespace, mode: str, n: int, prompts_: list[list[int]
                 u.process.wait(20)
             except subprocess.TimeoutExpired:
                 u.process.kill()
-        emulated.stop()
+        emulated.stop(grace=60)  # each contributor's `served` event comes as it leaves
     served = [json.loads(line) for c in emulated.swarm.children for line in _drain(c.lines)
               if line.startswith('{"event": "served"')]
     steps, passes = sum(s["steps"] for s in served), sum(s["passes"] for s in served)

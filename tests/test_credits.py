@@ -268,28 +268,6 @@ def test_a_full_stage_admits_a_speculative_session_with_smaller_trees_rather_tha
     assert got.tokens == reference_greedy(tiny_llama, prompt, new)
 
 
-def test_an_entry_the_next_stage_sent_back_keeps_its_place_at_the_stage_that_admitted_it():
-    """An entry opens its route stage by stage: the first admits it, the next is full, and the entry closes the
-    first's session and asks again. It keeps its place at the first: else each entry a later stage refused went
-    to the back of the first's queue, no entry was at the front of every stage's at once, and with 32 users on 3
-    stages 24 gave up after waiting 120 s (`benchmarks/users_bench.py`)."""
-    now = [0.0]
-    first = admission.Waiting(clock=lambda: now[0])
-    first.refused("a", 1)
-    now[0] += 0.5
-    first.refused("b", 1)
-    assert first.ahead("a", 1) == 0
-    first.admitted("a")  # room freed: a, at the front, opens a session here; the next stage refuses it
-    now[0] += 1.0
-    assert first.ahead("a", 1) == 0 and first.ahead("b", 1) == 0  # (b waits for no one who still waits)
-    first.refused("a", 1)  # a asks again while the stage is full: it is still before b
-    assert (first.ahead("a", 1), first.ahead("b", 1)) == (0, 1)
-    first.admitted("a")
-    now[0] += admission.WAIT_MEMORY_S + 0.1  # a went on (or gave up): its place is nobody's
-    first.refused("b", 1)
-    assert first.ahead("a", 1) == 1 and len(first) == 1
-
-
 def test_whom_a_full_stage_keeps_room_for_is_forgotten_once_it_stops_asking():
     now = [0.0]
     waiting = admission.Waiting(clock=lambda: now[0])

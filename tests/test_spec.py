@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Callable
 
 import pytest
@@ -511,28 +510,34 @@ def test_a_steps_keep_moves_the_committed_nodes_to_the_front_then_the_live_ones_
 
 
 class _Recorded:
-    """A target that records what it was sent and answers only when asked to."""
+    """A target that records what it was sent and answers only when asked to, on `clock`."""
 
-    def __init__(self):
-        self.sent, self.discarded = [], []
+    def __init__(self, clock):
+        self.sent, self.discarded, self.clock = [], [], clock
 
     def submit(self, ids, start, mask, keep, cancel=False):
         self.sent.append((ids.tolist(), start, keep, cancel))
         return len(self.sent) - 1
 
     def collect(self, handle):
-        return torch.full((len(self.sent[handle][0]), 4), float(handle)), time.perf_counter()
+        return torch.full((len(self.sent[handle][0]), 4), float(handle)), self.clock()
 
     def discard(self, handle):
         self.discarded.append(handle)
 
 
 def test_steps_in_flight_come_back_oldest_first_and_a_cancel_rides_with_the_next_step_only():
-    target = _Recorded()
-    flight = speculate.Flight(target, 3, Tuner().costs)
+    now = [100.0]
+    target = _Recorded(lambda: now[0])
+    costs = Tuner().costs
+    flight = speculate.Flight(target, 3, costs, clock=lambda: now[0])
     mask = torch.ones(1, 1, dtype=torch.bool)
+    assert flight.until_due() == float("inf")
     for i in range(3):
         flight.send(torch.tensor([i]), [i], 5 + i, mask, None, 0.001, 1, continuation=i > 0)
+        now[0] += 0.01
+    # the oldest is due a pass after it was sent: the ring's fixed cost and one row's
+    assert flight.until_due() == pytest.approx(costs.fixed_s + costs.per_token_s - 0.03)
     step, logits = flight.receive()
     assert step.rows == [0] and float(logits[0, 0]) == 0.0 and len(flight) == 2
     assert flight.live(lambda node: node == 2) == 1  # the step of node 1 is dead for good

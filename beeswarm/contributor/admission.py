@@ -31,16 +31,12 @@ class Waiting:
         self._lock = threading.Lock()
         # payer -> (tier, when it was first refused, when last): its place in the queue, and whether it still asks
         self._refused: dict[str, tuple[int, float, float]] = {}
-        # payer -> (tier, its place, when admitted): kept a while, for an entry whose next stage was full (it closes
-        # the session this stage gave it and asks again, and must not go to the back of this stage's queue)
-        self._admitted: dict[str, tuple[int, float, float]] = {}
 
     def refused(self, payer: str, rank: int) -> None:
         with self._lock:
             self._prune()
             now = self.clock()
-            first = self._place(payer, now)
-            self._admitted.pop(payer, None)
+            first = self._refused[payer][1] if payer in self._refused else now
             self._refused[payer] = (rank, first, now)
             if len(self._refused) > MAX_WAITING:  # the lowest tier, the latest in it, is forgotten first
                 del self._refused[min(self._refused, key=lambda p: (self._refused[p][0], -self._refused[p][1]))]
@@ -50,7 +46,7 @@ class Waiting:
         before it (all of its tier, for a payer that was never refused)."""
         with self._lock:
             self._prune()
-            mine = self._place(payer, float("inf"))
+            mine = self._refused[payer][1] if payer in self._refused else float("inf")
             return sum(t > rank or t == rank and first < mine
                        for p, (t, first, _) in self._refused.items() if p != payer)
 
@@ -59,21 +55,10 @@ class Waiting:
         with self._lock:
             return len(self._refused)
 
-    def _place(self, payer: str, otherwise: float) -> float:
-        """When `payer` was first refused (it asks in its turn), else `otherwise` (under the lock)."""
-        if payer in self._refused:
-            return self._refused[payer][1]
-        return self._admitted[payer][1] if payer in self._admitted else otherwise
-
     def _prune(self) -> None:
         cutoff = self.clock() - WAIT_MEMORY_S
         self._refused = {p: w for p, w in self._refused.items() if w[2] >= cutoff}
-        self._admitted = {p: w for p, w in self._admitted.items() if w[2] >= cutoff}
 
     def admitted(self, payer: str) -> None:
         with self._lock:
-            waited = self._refused.pop(payer, None)
-            if waited is not None:
-                self._admitted[payer] = (waited[0], waited[1], self.clock())
-                if len(self._admitted) > MAX_WAITING:
-                    del self._admitted[min(self._admitted, key=lambda p: self._admitted[p][2])]
+            self._refused.pop(payer, None)

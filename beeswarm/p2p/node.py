@@ -417,7 +417,7 @@ class Node:
 
     def request(self, peer: str, rpc: Rpc[Req, Rep], msg: Req, timeout: float = 10.0) -> Rep:
         """Send `msg`, wait for the reply. Raises TimeoutError, PeerUnavailable or RemoteError."""
-        reply: Rep = self.call(self.requests.request, peer, rpc, msg, timeout)
+        reply: Rep = self.call(self.requests.send, peer, rpc, self.requests.encoded(rpc, msg), timeout)
         return reply
 
     # channels ---------------------------------------------------------------------------------

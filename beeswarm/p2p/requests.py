@@ -87,13 +87,21 @@ class Requests:
             return ErrorReply(error="internal error")
 
     # asking -----------------------------------------------------------------------------------
-    async def request(self, peer: str, rpc: Rpc[Req, Rep], msg: Req, timeout: float) -> Rep:
-        """The decoded reply to `msg`; an ErrorReply raises RemoteError, a reply of another kind than `rpc`
-        answers is the peer's protocol error."""
+    def encoded(self, rpc: Rpc[Req, Any], msg: Req) -> bytes:
+        """`msg` as `rpc` sends it (any thread: a message carrying tensors is encoded off the node's loop)."""
         body = encode(msg)
         largest = rpc.largest_request(self.tensor_limit)
         if len(body) > largest:
             raise NodeError(f"request of {len(body)} bytes exceeds the {largest}-byte limit of {rpc.id}")
+        return body
+
+    async def request(self, peer: str, rpc: Rpc[Req, Rep], msg: Req, timeout: float) -> Rep:
+        """The decoded reply to `msg`; an ErrorReply raises RemoteError, a reply of another kind than `rpc`
+        answers is the peer's protocol error."""
+        return await self.send(peer, rpc, self.encoded(rpc, msg), timeout)
+
+    async def send(self, peer: str, rpc: Rpc[Any, Rep], body: bytes, timeout: float) -> Rep:
+        """`request` with the message already `encoded`."""
         protocol, replies = rpc.id, rpc.reply_decoder(self.tensor_limit)
         key = (peer, protocol)
         try:

@@ -119,10 +119,12 @@ class _Step:
 
 class Flight:
     """The steps in flight to the target, oldest first (a pipelined speculation keeps several), and what their
-    round trips measure. Steps return in the order sent."""
+    round trips measure. Steps return in the order sent. `clock`: seconds, the clock the target's arrival times are
+    on (perf_counter, as `Target.collect` reports them)."""
 
-    def __init__(self, target: Target, max_in_flight: int, costs: RoundCosts):
-        self.target, self.max_in_flight, self.costs = target, max_in_flight, costs
+    def __init__(self, target: Target, max_in_flight: int, costs: RoundCosts,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.target, self.max_in_flight, self.costs, self.clock = target, max_in_flight, costs, clock
         self.steps: collections.deque[_Step] = collections.deque()
         self.cancelling = False  # the next step cancels those before it
         self.step_s = 0.01  # the entry's time to draft a continuation step (running average)
@@ -135,7 +137,7 @@ class Flight:
              draft_s: float, levels: int, continuation: bool) -> None:
         if continuation:
             self.step_s += 0.3 * (draft_s - self.step_s)
-        sent = time.perf_counter()
+        sent = self.clock()
         handle = self.target.submit(tokens, start, mask, keep, self.cancelling)
         self.cancelling = False
         self.steps.append(_Step(handle, rows, sent, draft_s, levels))
@@ -153,7 +155,7 @@ class Flight:
         if not self.steps:
             return float("inf")
         step = self.steps[0]
-        return step.sent + self.costs.fixed_s + self.costs.per_token_s * len(step.rows) - time.perf_counter()
+        return step.sent + self.costs.fixed_s + self.costs.per_token_s * len(step.rows) - self.clock()
 
     def live(self, wanted: Callable[[int], bool]) -> int:
         """Steps whose results the walk may still use (a step none of whose rows is `wanted` is dead for good)."""
@@ -195,7 +197,7 @@ class Speculation:
         self.level = {self.at: 0}  # a node's depth below the last fresh round's root (the tuner's statistics)
         self.drafted: dict[int, tuple[float, int]] = {}  # a drafted node: the draft's probability, its rank
         self.plan = tuner.plan(flight.max_in_flight)
-        self.planned = (time.perf_counter(), len(self.committed))  # when, and the tokens committed then
+        self.planned = (flight.clock(), len(self.committed))  # when, and the tokens committed then
 
     # the walk ----------------------------------------------------------------------------------
     def advance(self) -> bool:
@@ -248,7 +250,7 @@ class Speculation:
         """A fresh round when the walk's node is not sent yet (at the start, after a miss), then continuations
         until `plan.depth` live steps are in flight, and more while the entry would idle."""
         if self.fresh:
-            if time.perf_counter() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
+            if self.flight.clock() - self.planned[0] >= REPLAN_S or not self.tuner.measured():
                 self.replan()
             fresh = self.plan.fresh
             if self.plan.depth > 1 and fresh.depth > FRESH_AHEAD:
@@ -288,7 +290,7 @@ class Speculation:
 
     def replan(self, again: bool = True) -> None:
         """Plan again from what the statistics say now; a pipelined plan's measured rate calibrates the next."""
-        (t0, n0), now = self.planned, time.perf_counter()
+        (t0, n0), now = self.planned, self.flight.clock()
         if self.plan.depth > 1 and now - t0 >= REPLAN_S / 2:
             self.tuner.observe_pipelined(self.plan.model_rate, (len(self.committed) - n0) / (now - t0))
         if again:
@@ -340,7 +342,7 @@ class Speculation:
     def send(self, hangs: list[tuple[int, int | None]], shape: TreeShape) -> bool:
         """One step: trees drafted under `hangs` (a new candidate first where one is named), and the walk's node
         first when it is not in the stages' KV yet."""
-        t0 = time.perf_counter()  # the entry's time for a step: the draft, and the bookkeeping around it
+        t0 = self.flight.clock()  # the entry's time for a step: the draft, and the bookkeeping around it
         keep, window = self.compact()
         rows = [self.at] if self.fresh else []
         budget = len(hangs) * (MAX_TREE_NODES + 1)
@@ -375,7 +377,7 @@ class Speculation:
         mask[seen_rows, seen_cols] = True
         self.report.in_flight[self.live_steps() + 1] += 1
         self.flight.send(torch.tensor([self.tree.tokens[n] for n in rows]), rows, self.kv.place(rows), mask, keep,
-                         time.perf_counter() - t0, shape.depth + 1, continuation=not self.fresh)
+                         self.flight.clock() - t0, shape.depth + 1, continuation=not self.fresh)
         self.fresh = False
         self.report.steps += 1
         self.report.rows_sent += len(rows)
