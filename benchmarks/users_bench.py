@@ -127,7 +127,7 @@ def prompts(model: str, count: int, vocab: int) -> list[list[int]]:
 
     from beeswarm.shard import checkpoint
 
-    folder = checkpoint.resolve(model) if not Path(model).is_dir() else Path(model)
+    folder = checkpoint.resolve(model)  # a built-in name or a folder
     lines = [f"def f{i}(x):\n    return x * {i} + {i * 7} if x > {i} else " for i in range(count)]
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -143,7 +143,7 @@ def references(model: str, prompts_: list[list[int]], n: int) -> list[list[int]]
 
     from beeswarm.shard import checkpoint
 
-    folder = checkpoint.resolve(model) if not Path(model).is_dir() else Path(model)
+    folder = checkpoint.resolve(model)  # a built-in name or a folder
     lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     lm.generation_config.repetition_penalty = 1.0  # plain greedy, as the users ask (not the checkpoint's defaults)
     out = []

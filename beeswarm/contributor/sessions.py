@@ -7,7 +7,6 @@ wait on it).
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,8 +17,6 @@ from beeswarm.protocol import ErrorReply
 from beeswarm.protocol.session import Open
 from beeswarm.shard.errors import SessionError
 from beeswarm.shard.span import SpanRuntime
-
-log = logging.getLogger(__name__)
 
 MAX_SESSIONS_PER_PEER = 64
 

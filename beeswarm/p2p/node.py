@@ -120,7 +120,11 @@ class Node:
         and go; the call returned stops it."""
         watcher = (connected, disconnected)
         self._peer_watchers.append(watcher)
-        return lambda: self._peer_watchers.remove(watcher) if watcher in self._peer_watchers else None
+
+        def unwatch() -> None:
+            if watcher in self._peer_watchers:
+                self._peer_watchers.remove(watcher)
+        return unwatch
 
     def keep_dialable(self, peers: Callable[[], Iterable[str]]) -> None:
         """The peerstore keeps the addresses of `peers()` while they are not connected (every other gone peer's
