@@ -22,11 +22,13 @@ from beeswarm.protocol.rpcs import DIALBACK
 from helpers import INTERVAL, LOCAL, wait_for
 
 
-def closed_port() -> int:
-    """A local TCP port nothing listens on (bound, then released)."""
+@pytest.fixture
+def closed_port():
+    """A local TCP port that refuses every dial: bound, never listening, and held for the whole test (a port bound
+    and released was once taken by another test's node, which answered the dial with its own peer id)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def test_wildcards_become_this_hosts_interface_addresses():
@@ -67,8 +69,8 @@ def test_a_node_listening_on_every_interface_never_announces_0_0_0_0():
 
 
 @pytest.mark.slow  # 3 s or more: out of `make test-fast`
-def test_a_bootstrap_that_refuses_is_named_with_its_error():
-    addr = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{identity.ephemeral().peer_id}"
+def test_a_bootstrap_that_refuses_is_named_with_its_error(closed_port):
+    addr = f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{identity.ephemeral().peer_id}"
     node = Node(identity.ephemeral(), NodeConfig(listen=LOCAL, bootstrap=[addr])).start()
     try:
         why = wait_for(node.unreachable, 10, "the bootstrap's dial to fail")
@@ -89,8 +91,8 @@ def env(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [["chat", "--prompt", "def f(x):", "--max-new-tokens", "4"], ["status"]])
-def test_joining_a_bootstrap_that_refuses_fails_within_seconds_naming_it(command, env, tiny_llama):
-    addr = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{identity.ephemeral().peer_id}"
+def test_joining_a_bootstrap_that_refuses_fails_within_seconds_naming_it(command, env, tiny_llama, closed_port):
+    addr = f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{identity.ephemeral().peer_id}"
     extra = ["--model", str(tiny_llama), "--no-spec"] if command[0] == "chat" else []
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "beeswarm", *command[:1], "--join", addr, *command[1:], *extra],
@@ -116,7 +118,7 @@ def test_peers_dial_a_node_back_so_it_learns_it_is_public_and_says_so(mesh):
 
 
 @pytest.mark.slow  # 3 s or more: out of `make test-fast`
-def test_a_dial_back_reaches_only_a_libp2p_listener_at_the_askers_own_address(mesh):
+def test_a_dial_back_reaches_only_a_libp2p_listener_at_the_askers_own_address(mesh, closed_port):
     """A port nobody listens on, or something that is not a libp2p node, is not dialable; the asker's address is
     the only one dialled (nobody can aim a node's dials at a third host), and a peer is answered at most so often."""
     a, b = mesh(2)
@@ -126,7 +128,7 @@ def test_a_dial_back_reaches_only_a_libp2p_listener_at_the_askers_own_address(me
         other.bind(("127.0.0.1", 0))
         other.listen()
         silent = other.getsockname()[1]
-        reply = a.request(b.peer_id, DIALBACK, DialBack(ports=(closed_port(), silent, port)), timeout=20)
+        reply = a.request(b.peer_id, DIALBACK, DialBack(ports=(closed_port, silent, port)), timeout=20)
     assert reply.observed_ip == "127.0.0.1" and reply.dialable == (port,)
     again = a.request(b.peer_id, DIALBACK, DialBack(ports=(port,)), timeout=20)
     assert again.observed_ip == "" and again.dialable == (), "answered again within ANSWER_EVERY_S"

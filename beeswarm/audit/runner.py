@@ -193,11 +193,19 @@ class AuditRunner:
 
     def _ask_stage(self, audit: _Audit, rpc: Rpc[Reveal, Rep], reveal: Reveal) -> Rep:
         """The stage's answer to `reveal`. A link that cannot be made (lost, being made again through another relay,
-        the stage banned here a few seconds for the failure that lost it) is tried again for REACH_S: _Unreachable."""
-        waited, pause = 0.0, 0.5
+        the stage banned here a few seconds for the failure that lost it) is tried again for REACH_S: _Unreachable.
+        A request that timed out is asked once more on a fresh stream (the link may have been the one made again
+        when the request went): a second timeout is the stage's refusal, so a liar gains one REVEAL_TIMEOUT_S."""
+        waited, pause, timed_out = 0.0, 0.5, False
         while True:
             try:
                 return self.node.request(audit.stage, rpc, reveal, timeout=REVEAL_TIMEOUT_S)
+            except TimeoutError as e:
+                if timed_out:
+                    raise
+                timed_out = True
+                log.info("%s: asking %s again on a fresh stream", e, audit.stage)
+                self.node.fresh_streams(audit.stage)
             except NodeError as e:
                 if waited >= REACH_S:
                     raise _Unreachable(f"could not reach it for {waited:.0f} s: {e}") from None

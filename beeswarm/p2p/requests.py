@@ -37,7 +37,7 @@ class Requests:
         self._idle: dict[tuple[str, str], list[tuple[Any, wire.FrameReader]]] = {}
 
     def forget(self, peer: str) -> None:
-        """Drop pooled streams to a peer that disconnected."""
+        """Drop pooled streams to a peer (it disconnected, or a request over one timed out)."""
         for key in [k for k in self._idle if k[0] == peer]:
             del self._idle[key]
 
@@ -111,6 +111,8 @@ class Requests:
                     from_pool = bool(pooled)
                     if pooled:
                         stream, frames = pooled.pop()
+                        if getattr(stream.muxed_conn, "is_closed", False):
+                            continue  # its connection went (a relay killed): a write there may never fail
                     else:
                         stream = await self.node.open_stream(peer, protocol)
                         frames = wire.FrameReader(stream, replies.limit)
