@@ -203,9 +203,8 @@ class AuditRunner:
             except TimeoutError as e:
                 if timed_out:
                     raise
-                timed_out = True
+                timed_out = True  # (a timed-out request leaves no pooled stream to the stage: the next is fresh)
                 log.info("%s: asking %s again on a fresh stream", e, audit.stage)
-                self.node.fresh_streams(audit.stage)
             except NodeError as e:
                 if waited >= REACH_S:
                     raise _Unreachable(f"could not reach it for {waited:.0f} s: {e}") from None

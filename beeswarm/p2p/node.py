@@ -424,12 +424,6 @@ class Node:
         reply: Rep = self.call(self.requests.send, peer, rpc, self.requests.encoded(rpc, msg), timeout)
         return reply
 
-    def fresh_streams(self, peer: str) -> None:
-        """The next requests to `peer` open new streams instead of reusing pooled ones."""
-        async def forget() -> None:
-            self.requests.forget(peer)
-        self.call(forget)
-
     # channels ---------------------------------------------------------------------------------
     def serve_channel(self, protocol: str, on_channel: Callable[[Channel], None], limit: int | None = None) -> None:
         """Accept channels on `protocol`; `on_channel` runs in a worker thread and should return quickly."""

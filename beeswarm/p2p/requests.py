@@ -133,6 +133,7 @@ class Requests:
                         raise RemoteError(reply.error, reply.busy, reply.room)
                     return reply  # decoded as one of the replies `rpc` names
         except trio.TooSlowError:
+            self.forget(peer)  # its other pooled streams may sit on the same dead link: the next request opens anew
             raise TimeoutError(f"{protocol} request to {peer} timed out after {timeout} s") from None
         except ProtocolError as e:
             self.node.strike(peer, f"{protocol} reply: {e}")
