@@ -2,6 +2,9 @@
 receipts count and a full stage admits first, on real nodes."""
 from __future__ import annotations
 
+import threading
+import time
+
 import msgspec
 import pytest
 
@@ -22,7 +25,7 @@ from beeswarm.shard import EntryModel, Span, SpanRuntime
 from beeswarm.spec.draft import DraftModel
 from beeswarm.spec.speculate import speculative_generate
 from beeswarm.spec.tuner import MAX_TREE_NODES, Tuner
-from helpers import reference_greedy
+from helpers import reference_greedy, wait_for
 from tiny_checkpoints import write_tiny_checkpoint
 
 SWARM = swarm_id("beeswarm", "tinycode")
@@ -266,6 +269,67 @@ def test_a_full_stage_admits_a_speculative_session_with_smaller_trees_rather_tha
     got = speculative_generate(SessionSteps(pipes[1], session), draft, prompt, new, SamplingParams(),
                                Tuner(in_flight=4), max_length=length, max_in_flight=4)
     assert got.tokens == reference_greedy(tiny_llama, prompt, new)
+
+
+def test_an_entry_whose_next_stage_is_full_holds_the_stages_before_it_while_it_waits(mesh, tiny_llama):
+    """32 users on 3 stages: 24 gave up after 120 s. An entry a full second stage refused let its first stage's
+    session go, went to the back of that stage's queue when it asked again, and none was ever at the front of
+    both. It holds the first stage now while the second keeps its place, and gets its turn at both."""
+    splits = {"first": (0, 3), "other first": (0, 3), "second": (3, 8)}
+    nodes = dict(zip(splits, mesh(3, members=False)))
+    sessions = {}
+    for name, (a, b) in splits.items():
+        runtime = SpanRuntime(tiny_llama, Span(a, b), dtype="float32", device="cpu")
+        sessions[name] = Sessions(runtime.kv_bytes(50))  # room for one session each
+        StageServer(nodes[name], runtime, sessions[name]).start()
+    for name in ("first", "other first"):
+        nodes[name].connect(nodes["second"].addrs[0])
+    entry = EntryModel(tiny_llama, dtype="float32", device="cpu")
+
+    def pipe(first: str) -> RemotePipeline:
+        (node,) = mesh(1, members=False, bootstrap=[])
+        for stage in nodes.values():
+            node.connect(stage.addrs[0])
+        route = tuple(Stage(node=nodes[name].peer_id, span=Span(*splits[name])) for name in (first, "second"))
+        return RemotePipeline(node, Inbox(node).start(), entry, route)
+
+    occupant, waiter, later = pipe("other first"), pipe("first"), pipe("first")
+    held = occupant.open(50)  # the second stage is full
+    refusals: list[StageBusy] = []
+
+    def wait(busy: StageBusy) -> None:
+        refusals.append(busy)
+        if len(refusals) == 2:
+            occupant.close_session(held)  # room frees at the second stage while the waiter holds the first
+        time.sleep(0.05)
+
+    opened: dict[str, tuple[str, int]] = {}
+    thread = threading.Thread(target=lambda: opened.setdefault("session", waiter.open_within(50, 50, wait)))
+    thread.start()
+    wait_for(lambda: refusals, 10, "the second stage to refuse the waiter")
+    with pytest.raises(StageBusy, match="no memory"):  # the first stage's room is the waiter's
+        later.open(50)
+    thread.join(10)
+    assert refusals[0].peer == nodes["second"].peer_id and refusals[0].queued
+    session, length = opened["session"]
+    assert length == 50
+    prompt = [3, 1, 4, 1, 5]
+    got = generate(lambda t, s: waiter.forward(session, t, s), prompt, 8, SamplingParams(0.0, 1.0))
+    assert got.tokens == reference_greedy(tiny_llama, prompt, 8)
+
+    # waiting ends when `wait` says so: what was held is let go, and the stage's room is the next entry's
+    def give_up(busy: StageBusy) -> None:
+        raise busy
+
+    with pytest.raises(StageBusy, match="no memory"):
+        later.open_within(50, 50, give_up)  # the first stage is the waiter's still: nothing held, nothing waited
+    waiter.close_session(session)
+    blocker = occupant.open(50)
+    with pytest.raises(StageBusy, match="no memory") as refused:
+        later.open_within(50, 50, give_up)
+    assert refused.value.peer == nodes["second"].peer_id
+    assert len(sessions["first"]) == 0  # the first stage's room was let go
+    occupant.close_session(blocker)
 
 
 def test_whom_a_full_stage_keeps_room_for_is_forgotten_once_it_stops_asking():

@@ -125,11 +125,12 @@ class OutOfStep(StageFailed):
 class StageBusy(StageFailed):
     """A healthy stage cannot take a session now: its KV memory or session slots are taken, or it does not
     serve the span the entry's plan names (yet, or any more). `room`: the longest session it could take now
-    (tokens; 0: none, or not a matter of memory)."""
+    (tokens; 0: none, or not a matter of memory); `queued`: the stage keeps the entry's place in its queue for
+    memory while it asks again."""
 
-    def __init__(self, peer: str, message: str, room: int = 0):
+    def __init__(self, peer: str, message: str, room: int = 0, queued: bool = False):
         super().__init__(peer, message)
-        self.room = room
+        self.room, self.queued = room, queued
 
 
 @dataclass(frozen=True)
@@ -189,36 +190,55 @@ class RemotePipeline:
     def raw_bytes(self) -> int:
         return sum(link.raw_bytes + link.raw_in for link in self.links.values())
 
-    def open_within(self, max_length: int, min_length: int) -> tuple[str, int]:
-        """(a session, its length): `max_length` if every stage has room for it, else the most room a full stage
-        has left, down to `min_length` (speculation's trees shrink to fit; it is not refused for room it would
-        only use at full width). StageBusy when even `min_length` finds no room."""
-        length = max_length
-        while True:
-            try:
-                return self.open(length), length
-            except StageBusy as e:
-                if not min_length <= e.room < length:
-                    raise
-                log.info("stage %s has room for a session of %d tokens, not %d: taking that", e.peer, e.room, length)
-                length = e.room
+    def open_within(self, max_length: int, min_length: int,
+                    wait: Callable[[StageBusy], None] | None = None) -> tuple[str, int]:
+        """(a session on every stage of the route, its length): `max_length` if every stage has room for it, else
+        the most room a full stage has left, down to `min_length` (speculation's trees shrink to fit; it is not
+        refused for room it would only use at full width; the stages opened before keep their longer sessions).
 
-    def open(self, max_length: int) -> str:
-        """A session on every stage of the route; if one stage refuses, those already opened are closed."""
+        The stages are opened in route order. One after the first that keeps this entry's place in its queue
+        (StageBusy.queued) is asked again after `wait(busy)`, while the sessions opened before it are held: let
+        go, the entry would go to the back of those stages' queues, and on a crowded swarm no entry would ever be
+        at the front of every queue at once. Holding cannot deadlock: every route takes its stages in layer
+        order. `wait` raises when the entry should stop waiting. Any other refusal (StageBusy or StageFailed)
+        closes the sessions already opened and is raised."""
         session = os.urandom(8).hex()
         push = self.options.mode == "push"
         payer, payer_sig = self.receipts.vouch(session) if self.receipts else (None, b"")
+        length = max_length
         for i, stage in enumerate(self.route):
             prev = self.route[i - 1].node if push and i > 0 else self.node.peer_id
             nxt = self.route[i + 1].node if push and i < len(self.route) - 1 else None
-            try:
-                self._request(stage, Open(session=session, max_length=max_length, prev=prev, next=nxt, span=stage.span,
-                                          compress=self.options.compress, payer=payer, payer_sig=payer_sig))
-            except StageFailed:
-                self.close_session(session, self.route[:i])
-                raise
+            while True:
+                try:
+                    self._request(stage, Open(session=session, max_length=length, prev=prev, next=nxt,
+                                              span=stage.span, compress=self.options.compress, payer=payer,
+                                              payer_sig=payer_sig))
+                    break
+                except StageBusy as e:
+                    if min_length <= e.room < length:
+                        log.info("stage %s has room for a session of %d tokens, not %d: taking that", e.peer,
+                                 e.room, length)
+                        length = e.room
+                        continue
+                    if i == 0 or wait is None or not e.queued:
+                        self.close_session(session, self.route[:i])
+                        raise
+                    try:
+                        wait(e)
+                    except BaseException:
+                        self.close_session(session, self.route[:i])
+                        raise
+                except StageFailed:
+                    self.close_session(session, self.route[:i])
+                    raise
         self._caches[session] = CacheState(0, 0)
-        return session
+        return session, length
+
+    def open(self, max_length: int) -> str:
+        """A session of `max_length` on every stage of the route; if one stage refuses, those already opened are
+        closed and the refusal is raised."""
+        return self.open_within(max_length, max_length)[0]
 
     def close_session(self, session: str, stages: Route | None = None, failed: str | None = None) -> None:
         """Close `session` on `stages` (all of the route's by default). After a failure (`failed`: the stage
@@ -248,7 +268,7 @@ class RemotePipeline:
             return self.node.request(stage.node, SESSION, msg, timeout=timeout or self.options.step_timeout_s)
         except RemoteError as e:
             if e.busy:
-                raise StageBusy(stage.node, str(e), e.room) from None
+                raise StageBusy(stage.node, str(e), e.room, e.queued) from None
             raise StageFailed(stage.node, str(e)) from None
         except (NodeError, TimeoutError) as e:
             raise StageFailed(stage.node, str(e)) from None

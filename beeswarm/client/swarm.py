@@ -361,7 +361,7 @@ class SwarmClient:
             try:
                 pipe = self._pipeline(pipeline.stages)
                 wire0, raw0, tokens0 = pipe.wire_bytes, pipe.raw_bytes, len(progress.tokens)
-                outcome = self._attempt(progress, pipe, pipeline.micro_batches)
+                outcome = self._attempt(progress, pipe, pipeline.micro_batches, busy)
             finally:
                 with self._lock:
                     self._using[pipeline.stages] -= 1
@@ -387,13 +387,14 @@ class SwarmClient:
                 progress.settle()
                 return progress.result()
 
-    def _attempt(self, progress: Progress, pipe: RemotePipeline, micro_batches: int) -> Outcome:
-        """One attempt on one route: a session on `pipe`, the prompt and the tokens that stand prefilled,
+    def _attempt(self, progress: Progress, pipe: RemotePipeline, micro_batches: int, busy: Backoff) -> Outcome:
+        """One attempt on one route: a session on `pipe` (a full stage after the first is waited for with `busy`,
+        holding the sessions opened before it), the prompt and the tokens that stand prefilled,
         tokens until the request is met (or the caller ends it), the session closed, then the audits of every
         session so far awaited. The route failing is an outcome; any other exception propagates."""
         in_flight, max_length, least = self._session_size(progress.request)
         try:
-            session, max_length = pipe.open_within(max_length, least)
+            session, max_length = pipe.open_within(max_length, least, busy.wait)
             progress.sessions.append(session)
             self.receipts.begin(session, len(progress.request.prompt_ids) + len(progress.tokens))
             failed = None

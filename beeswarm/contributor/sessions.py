@@ -74,16 +74,17 @@ class Sessions:
             if self.kv_budget_bytes is not None:
                 used = sum(s.kv_bytes for s in self._open.values()) + sum(self._opening.values())
                 if used + need > self.kv_budget_bytes:
-                    if need <= self.kv_budget_bytes:  # one that can never fit waits for nothing
+                    fits = need <= self.kv_budget_bytes  # one that can never fit waits for nothing
+                    if fits:
                         self.waiting.refused(payer, rank)
                     free = max(0, self.kv_budget_bytes - used)
                     room = free // runtime.kv_bytes(1) if self.waiting.ahead(payer, rank) == 0 else 0
                     return ErrorReply(error=f"no memory for a session of {msg.max_length} tokens: it needs {need} "
-                                            f"bytes of KV cache, {free} are free", busy=True, room=room)
+                                            f"bytes of KV cache, {free} are free", busy=True, room=room, queued=fits)
             if ahead := self.waiting.ahead(payer, rank):
                 self.waiting.refused(payer, rank)  # it keeps its place in the queue
                 return ErrorReply(error=f"room is kept for {ahead} entr{'ies' if ahead > 1 else 'y'} that asked "
-                                        "first or hold more credit", busy=True)
+                                        "first or hold more credit", busy=True, queued=True)
             self._opening[key] = need
         try:
             runtime.open(key, msg.max_length)

@@ -130,7 +130,7 @@ class Requests:
                     else:
                         await close_stream(stream)
                     if isinstance(reply, ErrorReply):
-                        raise RemoteError(reply.error, reply.busy, reply.room)
+                        raise RemoteError(reply.error, reply.busy, reply.room, reply.queued)
                     return reply  # decoded as one of the replies `rpc` names
         except trio.TooSlowError:
             self.forget(peer)  # its other pooled streams may sit on the same dead link: the next request opens anew

@@ -22,9 +22,9 @@ class ProtocolError(Exception):
 class RemoteError(Exception):
     """The peer answered a request with an error reply (`busy`: it has no room now, no fault of its own)."""
 
-    def __init__(self, message: str, busy: bool = False, room: int = 0):
+    def __init__(self, message: str, busy: bool = False, room: int = 0, queued: bool = False):
         super().__init__(message)
-        self.busy, self.room = busy, room
+        self.busy, self.room, self.queued = busy, room, queued
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -45,6 +45,7 @@ class ErrorReply(Message, frozen=True, tag="error"):
     error: str = ""
     busy: bool = False
     room: Annotated[int, msgspec.Meta(ge=0)] = 0  # busy for memory: the longest session it could take now (tokens)
+    queued: bool = False  # busy for memory: the asker has a place in the peer's queue, kept while it asks again
 
     def __post_init__(self) -> None:
         Message.__post_init__(self)
