@@ -200,38 +200,35 @@ class RemotePipeline:
         (StageBusy.queued) is asked again after `wait(busy)`, while the sessions opened before it are held: let
         go, the entry would go to the back of those stages' queues, and on a crowded swarm no entry would ever be
         at the front of every queue at once. Holding cannot deadlock: every route takes its stages in layer
-        order. `wait` raises when the entry should stop waiting. Any other refusal (StageBusy or StageFailed)
-        closes the sessions already opened and is raised."""
+        order. `wait` raises the StageBusy when the entry should stop waiting. Any other refusal (StageBusy or
+        StageFailed) closes the sessions already opened and is raised."""
         session = os.urandom(8).hex()
         push = self.options.mode == "push"
         payer, payer_sig = self.receipts.vouch(session) if self.receipts else (None, b"")
         length = max_length
-        for i, stage in enumerate(self.route):
-            prev = self.route[i - 1].node if push and i > 0 else self.node.peer_id
-            nxt = self.route[i + 1].node if push and i < len(self.route) - 1 else None
-            while True:
-                try:
-                    self._request(stage, Open(session=session, max_length=length, prev=prev, next=nxt,
-                                              span=stage.span, compress=self.options.compress, payer=payer,
-                                              payer_sig=payer_sig))
-                    break
-                except StageBusy as e:
-                    if min_length <= e.room < length:
-                        log.info("stage %s has room for a session of %d tokens, not %d: taking that", e.peer,
-                                 e.room, length)
-                        length = e.room
-                        continue
-                    if i == 0 or wait is None or not e.queued:
-                        self.close_session(session, self.route[:i])
-                        raise
+        i = 0
+        try:
+            for i, stage in enumerate(self.route):
+                prev = self.route[i - 1].node if push and i > 0 else self.node.peer_id
+                nxt = self.route[i + 1].node if push and i < len(self.route) - 1 else None
+                while True:
                     try:
-                        wait(e)
-                    except BaseException:
-                        self.close_session(session, self.route[:i])
-                        raise
-                except StageFailed:
-                    self.close_session(session, self.route[:i])
-                    raise
+                        self._request(stage, Open(session=session, max_length=length, prev=prev, next=nxt,
+                                                  span=stage.span, compress=self.options.compress, payer=payer,
+                                                  payer_sig=payer_sig))
+                        break
+                    except StageBusy as e:
+                        if min_length <= e.room < length:
+                            log.info("stage %s has room for a session of %d tokens, not %d: taking that", e.peer,
+                                     e.room, length)
+                            length = e.room
+                        elif i > 0 and wait is not None and e.queued:
+                            wait(e)  # holding route[:i]
+                        else:
+                            raise
+        except StageFailed:
+            self.close_session(session, self.route[:i])
+            raise
         self._caches[session] = CacheState(0, 0)
         return session, length
 
